@@ -1,0 +1,1 @@
+"""Scheduler, runner, sampling and ahead-of-time compilation."""

@@ -1,0 +1,105 @@
+"""Ahead-of-time compilation: bucket keys, the warm-up grid, and the no-compile-after-warm-up guard.
+
+Every device call the engine makes is one of two programs (a mixed prefill/decode step, a multi-step
+decode loop) at one bucket of shapes. ``CompileKey`` names that bucket. The engine compiles the
+whole grid at start-up and afterwards only calls the compiled executables; with ``strict`` on, a
+missing key raises, and so does any tracing or compilation (``jax.no_tracing`` plus a listener on
+XLA's compile events).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import jax
+
+from jaxinfer.engine.config import EngineConfig, power_of_two_buckets
+from jaxinfer.errors import CompilationAfterWarmupError
+
+MIXED = "mixed"
+DECODE = "decode"
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class CompileKey:
+    kind: str  # MIXED or DECODE
+    num_tokens: int
+    num_seqs: int
+    pages_per_seq: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}(tokens={self.num_tokens}, seqs={self.num_seqs}, pages={self.pages_per_seq})"
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketGrid:
+    token_buckets: tuple[int, ...]  # mixed steps: padded token count
+    seq_buckets: tuple[int, ...]  # decode loops: padded sequence count
+    page_buckets: tuple[int, ...]  # decode loops: padded block-table width
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "BucketGrid":
+        return cls(
+            token_buckets=power_of_two_buckets(min(config.min_token_bucket, config.max_num_batched_tokens),
+                                               config.max_num_batched_tokens),
+            seq_buckets=power_of_two_buckets(1, config.max_num_seqs),
+            page_buckets=power_of_two_buckets(1, config.max_pages_per_seq),
+        )
+
+    def keys(self, config: EngineConfig) -> list[CompileKey]:
+        # Mixed steps pad sequences and block tables to the maximum: their cost is dominated by the
+        # token count, and one axis keeps the grid small. Decode loops bucket both, since attention
+        # over the block table is what a decode step spends its time on.
+        mixed = [CompileKey(MIXED, t, config.max_num_seqs, config.max_pages_per_seq) for t in self.token_buckets]
+        decode = [CompileKey(DECODE, s, s, p) for s in self.seq_buckets for p in self.page_buckets]
+        return mixed + decode
+
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class CompileGuard:
+    """Counts XLA compilations while armed; ``serving()`` raises if any happened inside it."""
+
+    _installed: "CompileGuard | None" = None
+
+    def __init__(self):
+        self.compiles_while_armed = 0
+        self._armed = 0
+
+    @classmethod
+    def get(cls) -> "CompileGuard":
+        if cls._installed is None:
+            cls._installed = cls()
+            jax.monitoring.register_event_duration_secs_listener(cls._installed._on_event)
+        return cls._installed
+
+    def _on_event(self, event: str, duration: float, **kwargs) -> None:
+        if self._armed and event == _COMPILE_EVENT:
+            self.compiles_while_armed += 1
+
+    @contextlib.contextmanager
+    def serving(self):
+        before = self.compiles_while_armed
+        self._armed += 1
+        try:
+            with jax.no_tracing(True):
+                yield
+        except RuntimeError as e:
+            if "no_tracing" in str(e):
+                raise CompilationAfterWarmupError(f"strict mode: a function was traced after warm-up: {e}") from e
+            raise
+        finally:
+            self._armed -= 1
+        if self.compiles_while_armed != before:
+            raise CompilationAfterWarmupError(
+                f"strict mode: {self.compiles_while_armed - before} XLA compilation(s) happened after warm-up"
+            )
+
+
+def enable_compilation_cache(directory: str) -> None:
+    """Persist compiled executables so the next start-up reads them instead of compiling."""
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

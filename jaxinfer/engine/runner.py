@@ -1,0 +1,207 @@
+"""The device side of the engine: the two jitted programs, their inputs, and their executables.
+
+* ``mixed step``: one forward over a ragged batch of new tokens (prefill chunks and decode tokens of
+  several sequences), then one sample per sequence.
+* ``decode loop``: ``decode_steps`` forward+sample steps in a ``lax.while_loop`` on the device,
+  feeding each sampled token back in, stopping sequences on EOS / stop ids / their token budget.
+
+Both donate the KV caches, so the cache is updated in place. Inputs are built on the host as numpy
+arrays padded to a ``CompileKey`` bucket; the compiled executable for that key is looked up (compiled
+at warm-up), never traced at serving time.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxinfer.cache.layout import KVCacheLayout
+from jaxinfer.cache.metadata import AttentionMetadata
+from jaxinfer.engine.aot import DECODE, MIXED, CompileKey
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.request import Request
+from jaxinfer.engine.sampling import SamplingBatch, sample, seed_key_data
+from jaxinfer.errors import CompilationAfterWarmupError
+from jaxinfer.loader import LoadedModel
+from jaxinfer.sharding import replicated
+
+
+@struct.dataclass
+class DecodeState:
+    tokens: jax.Array  # [S] int32: the pending token of each sequence
+    positions: jax.Array  # [S] int32: its position
+    block_tables: jax.Array  # [S, P] int32
+    active: jax.Array  # [S] bool
+    remaining: jax.Array  # [S] int32: tokens the sequence may still generate
+    stop_ids: jax.Array  # [S, K] int32, -1 padded
+
+
+def _sampling_rows(requests: list[Request], num_rows: int) -> SamplingBatch:
+    temperature = np.zeros(num_rows, np.float32)
+    top_k = np.zeros(num_rows, np.int32)
+    top_p = np.ones(num_rows, np.float32)
+    min_p = np.zeros(num_rows, np.float32)
+    key_data = np.zeros((num_rows, 2), np.uint32)
+    counters = np.zeros(num_rows, np.int32)
+    for i, r in enumerate(requests):
+        p = r.params
+        temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, max(p.top_k, 0), p.top_p, p.min_p
+        key_data[i] = seed_key_data(r.seed)
+        counters[i] = len(r.output_token_ids)
+    return SamplingBatch(temperature, top_k, top_p, min_p, key_data, counters)
+
+
+class ModelRunner:
+    def __init__(self, model: LoadedModel, config: EngineConfig, layout: KVCacheLayout):
+        self.model = model
+        self.config = config
+        self.layout = layout
+        self.caches = layout.allocate(model.mesh)
+        self._executables: dict[CompileKey, jax.stages.Compiled] = {}
+        self.strict = False  # set once the warm-up is done, in strict mode
+        self._programs = {
+            MIXED: jax.jit(self._mixed_step, donate_argnums=(1,)),
+            DECODE: jax.jit(self._decode_loop, donate_argnums=(1,)),
+        }
+
+    # ---- the device programs -------------------------------------------------------------------
+
+    def _mixed_step(self, params, caches, token_ids, md: AttentionMetadata, sampling: SamplingBatch):
+        logits, caches = self.model.model.apply({"params": params}, token_ids, md, caches)
+        tokens, logprobs = sample(logits, sampling, self.config.max_logprobs)
+        return caches, tokens, logprobs
+
+    def _decode_loop(self, params, caches, state: DecodeState, sampling: SamplingBatch):
+        num_steps, page_size = self.config.decode_steps, self.layout.page_size
+        num_seqs = state.tokens.shape[0]
+        rows = jnp.arange(num_seqs, dtype=jnp.int32)
+        out_tokens = jnp.full((num_steps, num_seqs), -1, jnp.int32)
+        k = max(self.config.max_logprobs, 1)
+        out_logprobs = (jnp.zeros((num_steps, num_seqs), jnp.float32), jnp.zeros((num_steps, num_seqs, k), jnp.int32),
+                        jnp.zeros((num_steps, num_seqs, k), jnp.float32))
+
+        def step(carry):
+            i, caches, st, out_tokens, out_logprobs = carry
+            page = st.block_tables[rows, st.positions // page_size]
+            md = AttentionMetadata(
+                positions=st.positions,
+                slot_mapping=jnp.where(st.active, page * page_size + st.positions % page_size, -1),
+                token_seq_ids=rows,
+                block_tables=st.block_tables,
+                seq_lens=jnp.where(st.active, st.positions + 1, 0),
+                logits_indices=rows,
+                decode=True,
+            )
+            logits, caches = self.model.model.apply({"params": params}, st.tokens, md, caches)
+            tokens, logprobs = sample(logits, sampling.replace(counters=sampling.counters + i), self.config.max_logprobs)
+            out_tokens = out_tokens.at[i].set(jnp.where(st.active, tokens, -1))
+            if logprobs is not None:
+                out_logprobs = tuple(buf.at[i].set(val) for buf, val in zip(out_logprobs, logprobs))
+            remaining = st.remaining - st.active
+            stopped = jnp.any(tokens[:, None] == st.stop_ids, axis=-1) | (remaining <= 0)
+            st = st.replace(
+                tokens=jnp.where(st.active, tokens, st.tokens),
+                positions=st.positions + st.active,
+                active=st.active & ~stopped,
+                remaining=remaining,
+            )
+            return i + 1, caches, st, out_tokens, out_logprobs
+
+        def keep_going(carry):
+            i, _, st, _, _ = carry
+            return (i < num_steps) & jnp.any(st.active)
+
+        _, caches, _, out_tokens, out_logprobs = jax.lax.while_loop(
+            keep_going, step, (jnp.int32(0), caches, state, out_tokens, out_logprobs))
+        return caches, out_tokens, out_logprobs
+
+    # ---- host-side inputs ----------------------------------------------------------------------
+
+    def mixed_inputs(self, key: CompileKey, items: list[tuple[Request, int]]):
+        page_size = self.layout.page_size
+        t, s, p = key.num_tokens, key.num_seqs, key.pages_per_seq
+        token_ids = np.zeros(t, np.int32)
+        positions = np.zeros(t, np.int32)
+        slots = np.full(t, -1, np.int32)
+        token_seq_ids = np.zeros(t, np.int32)
+        block_tables = np.zeros((s, p), np.int32)
+        seq_lens = np.zeros(s, np.int32)
+        logits_indices = np.zeros(s, np.int32)
+        offset = 0
+        for row, (r, n) in enumerate(items):
+            pos = np.arange(r.num_computed, r.num_computed + n, dtype=np.int32)
+            pages = np.asarray(r.pages, np.int32)
+            token_ids[offset:offset + n] = [r.token_at(int(i)) for i in pos]
+            positions[offset:offset + n] = pos
+            slots[offset:offset + n] = pages[pos // page_size] * page_size + pos % page_size
+            token_seq_ids[offset:offset + n] = row
+            block_tables[row, :len(pages)] = pages
+            seq_lens[row] = r.num_computed + n
+            logits_indices[row] = offset + n - 1
+            offset += n
+        md = AttentionMetadata(positions, slots, token_seq_ids, block_tables, seq_lens, logits_indices)
+        return token_ids, md, _sampling_rows([r for r, _ in items], s)
+
+    def decode_inputs(self, key: CompileKey, requests: list[Request]):
+        s, p, k = key.num_seqs, key.pages_per_seq, self.config.max_stop_token_ids
+        tokens = np.zeros(s, np.int32)
+        positions = np.zeros(s, np.int32)
+        block_tables = np.zeros((s, p), np.int32)
+        active = np.zeros(s, bool)
+        remaining = np.zeros(s, np.int32)
+        stop_ids = np.full((s, k), -1, np.int32)
+        for row, r in enumerate(requests):
+            tokens[row] = r.token_at(r.num_tokens - 1)
+            positions[row] = r.num_computed
+            block_tables[row, :len(r.pages)] = r.pages
+            active[row] = True
+            remaining[row] = r.remaining_output
+            stop_ids[row, :len(r.stop_ids)] = r.stop_ids
+        state = DecodeState(tokens, positions, block_tables, active, remaining, stop_ids)
+        return state, _sampling_rows(requests, s)
+
+    def _example_inputs(self, key: CompileKey):
+        return self.mixed_inputs(key, []) if key.kind == MIXED else self.decode_inputs(key, [])
+
+    # ---- compilation and calls -----------------------------------------------------------------
+
+    def lower(self, key: CompileKey) -> jax.stages.Lowered:
+        """Trace and lower the program of ``key`` against abstract, sharded inputs."""
+        mesh = self.model.mesh
+        as_abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))  # noqa: E731
+        params = jax.tree.map(as_abstract, self.model.params)
+        caches = self.layout.abstract(mesh)
+        inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated(mesh)),
+                              self._example_inputs(key))
+        return self._programs[key.kind].lower(params, caches, *inputs)
+
+    def add_executable(self, key: CompileKey, executable: jax.stages.Compiled) -> None:
+        self._executables[key] = executable
+
+    def compile(self, key: CompileKey) -> None:
+        self.add_executable(key, self.lower(key).compile())
+
+    @property
+    def compiled_keys(self) -> list[CompileKey]:
+        return sorted(self._executables)
+
+    def _call(self, key: CompileKey, inputs):
+        executable = self._executables.get(key)
+        if executable is None:
+            if self.strict:
+                raise CompilationAfterWarmupError(f"strict mode: {key} is not in the warm-up grid")
+            self.compile(key)
+            executable = self._executables[key]
+        inputs = jax.device_put(inputs, replicated(self.model.mesh))
+        self.caches, *outputs = executable(self.model.params, self.caches, *inputs)
+        return jax.device_get(outputs)
+
+    def run_mixed(self, key: CompileKey, items: list[tuple[Request, int]]):
+        """-> (tokens [S], logprobs or None) as numpy."""
+        return self._call(key, self.mixed_inputs(key, items))
+
+    def run_decode(self, key: CompileKey, requests: list[Request]):
+        """-> (tokens [steps, S] with -1 after a sequence stopped, logprobs buffers) as numpy."""
+        return self._call(key, self.decode_inputs(key, requests))

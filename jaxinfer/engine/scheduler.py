@@ -1,0 +1,131 @@
+"""Continuous batching: which requests run in the next device call, and with how many tokens.
+
+Each call is either
+* a **mixed step** (``MixedBatch``) when any request has more than one token to compute (a new or
+  partially prefilled prompt, or a recompute after preemption): every running decode request
+  brings its one token, and prompts are chunked into the remaining token budget (chunked prefill);
+* or a **decode loop** (``DecodeBatch``) of ``decode_steps`` steps on the device for all running
+  requests, when every one of them is decoding.
+
+Pages are allocated before the call for every token it may write. When the pool runs dry the
+newest running request is preempted (pages freed, recomputed later from its tokens); no request is
+ever dropped. New requests are admitted first-come first-served while sequence slots and pages last.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from jaxinfer.cache.allocator import PageAllocator
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.request import Request, RequestStatus
+
+
+@dataclasses.dataclass
+class MixedBatch:
+    items: list[tuple[Request, int]]  # (request, tokens computed this step), in row order
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.items)
+
+
+@dataclasses.dataclass
+class DecodeBatch:
+    requests: list[Request]
+    num_steps: int
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, allocator: PageAllocator):
+        self.config = config
+        self.allocator = allocator
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _pages_needed(self, request: Request, num_tokens_in_cache: int) -> int:
+        return max(0, -(-num_tokens_in_cache // self.config.page_size) - len(request.pages))
+
+    def _try_grow(self, request: Request, num_tokens_in_cache: int) -> bool:
+        need = self._pages_needed(request, num_tokens_in_cache)
+        if not self.allocator.can_allocate(need):
+            return False
+        request.pages.extend(self.allocator.allocate(need))
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.allocator.free(request.pages)
+        request.pages = []
+        request.num_computed = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.running.remove(request)
+        self.waiting.appendleft(request)
+
+    def _grow_or_preempt(self, request: Request, num_tokens_in_cache: int) -> bool:
+        """Make room for ``request`` by preempting newer requests; False if it was preempted itself."""
+        while not self._try_grow(request, num_tokens_in_cache):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is request:
+                return False
+        return True
+
+    def finish(self, request: Request) -> None:
+        self.allocator.free(request.pages)
+        request.pages = []
+        request.status = RequestStatus.FINISHED
+        self.running.remove(request)
+
+    def schedule(self) -> MixedBatch | DecodeBatch | None:
+        if not self.has_work():
+            return None
+        if any(r.num_pending > 1 for r in self.running) or self._can_admit():
+            return self._schedule_mixed()
+        return self._schedule_decode()
+
+    def _can_admit(self) -> bool:
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return False
+        head = self.waiting[0]
+        first_chunk = min(head.num_pending, self.config.max_num_batched_tokens)
+        return self.allocator.can_allocate(self._pages_needed(head, first_chunk))
+
+    def _schedule_mixed(self) -> MixedBatch:
+        budget = self.config.max_num_batched_tokens
+        items: list[tuple[Request, int]] = []
+        for request in list(self.running):
+            if request.status is not RequestStatus.RUNNING or budget == 0:
+                continue  # preempted while making room for an earlier one, or no budget left
+            n = min(request.num_pending, budget)
+            if self._grow_or_preempt(request, request.num_computed + n):
+                items.append((request, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            n = min(request.num_pending, budget)
+            if not self._try_grow(request, request.num_computed + n):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            items.append((request, n))
+            budget -= n
+        return MixedBatch(items)
+
+    def _schedule_decode(self) -> DecodeBatch:
+        steps = self.config.decode_steps
+        for request in list(self.running):
+            if request.status is RequestStatus.RUNNING:
+                # The loop writes at most min(steps, remaining_output) tokens of this request.
+                self._grow_or_preempt(request, request.num_computed + min(steps, request.remaining_output))
+        if not self.running:  # everything was preempted: start over with recompute
+            return self._schedule_mixed()
+        return DecodeBatch(list(self.running), steps)

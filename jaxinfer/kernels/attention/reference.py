@@ -1,0 +1,105 @@
+"""Plain-jnp paged attention: the semantic truth the GPU kernels are tested against.
+
+Scores are computed in float32. A key at position ``j`` is visible to a query at position ``p`` of
+the same sequence when ``j <= p``, ``j < seq_len`` and, with a sliding window ``W``, ``j > p - W``
+(HF's window semantics). Optional extras: ``logit_softcap`` (``cap * tanh(s / cap)``) and ``sinks``
+(one learned logit per query head, an extra softmax column that is dropped afterwards).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxinfer.cache.metadata import AttentionMetadata
+
+
+def write_kv_cache(k_cache, v_cache, k, v, slot_mapping):
+    """Scatter new K/V rows [T, kv_heads, head_dim] into their slots; negative slots are dropped."""
+    num_pages, page_size = k_cache.shape[:2]
+    num_slots = num_pages * page_size
+    slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)  # out of range -> dropped
+
+    def scatter(cache, rows):
+        flat = cache.reshape(num_slots, *cache.shape[2:])
+        flat = flat.at[slots].set(rows.astype(cache.dtype), mode="drop")
+        return flat.reshape(cache.shape)
+
+    return scatter(k_cache, k), scatter(v_cache, v)
+
+
+def _gather_sequences(cache, block_tables):
+    """[S, pages_per_seq * page_size, kv_heads, head_dim]: each sequence's cache, in order."""
+    pages = cache[block_tables]  # [S, P, page_size, kv, d]
+    s, p, page_size = pages.shape[:3]
+    return pages.reshape(s, p * page_size, *cache.shape[2:])
+
+
+def _attend(q, k, v, visible, *, scale, logit_softcap, sinks):
+    """q [N, kv, g, d]; k, v [N, L, kv, d]; visible [N, L] -> [N, kv, g, d] in q's dtype."""
+    scores = jnp.einsum("nkgd,nlkd->nkgl", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+    if logit_softcap:
+        scores = logit_softcap * jnp.tanh(scores / logit_softcap)
+    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+    if sinks is not None:
+        num_kv, group = q.shape[1], q.shape[2]
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(num_kv, group, 1), scores.shape[:-1] + (1,))
+        scores = jnp.concatenate([scores, sink], axis=-1)
+    # Rows with nothing visible (padding) give zeros instead of NaNs.
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    weights = jnp.exp(scores - row_max)
+    denom = jnp.sum(weights, axis=-1, keepdims=True)
+    probs = weights / jnp.where(denom == 0, 1.0, denom)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    out = jnp.einsum("nkgl,nlkd->nkgd", probs, v.astype(jnp.float32))
+    return out.astype(q.dtype)
+
+
+def _visible(query_pos, seq_len, num_keys, sliding_window):
+    key_pos = jnp.arange(num_keys)[None, :]
+    visible = (key_pos <= query_pos[:, None]) & (key_pos < seq_len[:, None])
+    if sliding_window:
+        visible &= key_pos > query_pos[:, None] - sliding_window
+    return visible
+
+
+def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale, sliding_window=None,
+                           logit_softcap=None, sinks=None):
+    """Queries [T, heads, d] from several sequences (any number of new tokens each) over the cache."""
+    t, heads, d = q.shape
+    kv_heads = k_cache.shape[2]
+    k = _gather_sequences(k_cache, md.block_tables)[md.token_seq_ids]
+    v = _gather_sequences(v_cache, md.block_tables)[md.token_seq_ids]
+    visible = _visible(md.positions, md.seq_lens[md.token_seq_ids], k.shape[1], sliding_window)
+    out = _attend(q.reshape(t, kv_heads, heads // kv_heads, d), k, v, visible,
+                  scale=scale, logit_softcap=logit_softcap, sinks=sinks)
+    return out.reshape(t, heads, d)
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale, sliding_window=None,
+                           logit_softcap=None, sinks=None):
+    """One query per sequence [S, heads, d], at position ``seq_lens[s] - 1``."""
+    s, heads, d = q.shape
+    kv_heads = k_cache.shape[2]
+    k = _gather_sequences(k_cache, block_tables)
+    v = _gather_sequences(v_cache, block_tables)
+    visible = _visible(seq_lens - 1, seq_lens, k.shape[1], sliding_window)
+    out = _attend(q.reshape(s, kv_heads, heads // kv_heads, d), k, v, visible,
+                  scale=scale, logit_softcap=logit_softcap, sinks=sinks)
+    return out.reshape(s, heads, d)
+
+
+def dense_causal_attention(q, k, v, *, scale, sliding_window=None, logit_softcap=None, sinks=None):
+    """No cache: q [T, heads, d], k/v [T, kv_heads, d] of one sequence. For tests and notebooks."""
+    t, heads, d = q.shape
+    kv_heads = k.shape[1]
+    positions = jnp.arange(t)
+    visible = _visible(positions, jnp.full((t,), t), t, sliding_window)
+    out = _attend(q.reshape(t, kv_heads, heads // kv_heads, d), jnp.broadcast_to(k, (t,) + k.shape),
+                  jnp.broadcast_to(v, (t,) + v.shape), visible,
+                  scale=scale, logit_softcap=logit_softcap, sinks=sinks)
+    return out.reshape(t, heads, d)
+
+
+__all__ = ["dense_causal_attention", "paged_decode_attention", "ragged_paged_attention", "write_kv_cache"]

@@ -1,0 +1,101 @@
+"""Checkpoint folder -> a ready model: config, implementation, parameters on a mesh.
+
+``load_model`` is the research handle (no engine): ``load_model(path).logits([1, 2, 3])`` runs one
+full causal forward through the same model code and paged-attention ops the engine serves with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.cache.layout import KVCacheLayout
+from jaxinfer.cache.metadata import AttentionMetadata
+from jaxinfer.config import ModelConfig
+from jaxinfer.errors import ConfigError, InvalidRequestError
+from jaxinfer.registry import ModelRegistry
+from jaxinfer.sharding import make_mesh
+from jaxinfer.weights import load_params
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def resolve_dtype(dtype, config: ModelConfig):
+    """``"auto"`` is the checkpoint's own dtype (float32 when it does not say)."""
+    if dtype in (None, "auto"):
+        dtype = config.dtype or "float32"
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ConfigError(f"dtype {dtype!r} is not supported; use one of auto, {', '.join(_DTYPES)}")
+        return _DTYPES[dtype]
+    return jnp.dtype(dtype).type
+
+
+def validate_token_ids(token_ids, vocab_size: int, what: str = "prompt") -> list[int]:
+    ids = [int(t) for t in token_ids]
+    if not ids:
+        raise InvalidRequestError(f"the {what} is empty: give at least one token")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            f"the {what} has token ids outside the vocabulary [0, {vocab_size}): {bad[:8]}"
+        )
+    return ids
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    path: str
+    config: ModelConfig
+    model_cls: type
+    model: object  # the flax module
+    params: dict
+    mesh: jax.sharding.Mesh
+    dtype: type
+
+    def apply(self, token_ids, md: AttentionMetadata, caches, *, all_logits: bool = False):
+        """The pure model function: (params, inputs, caches) -> (float32 logits, caches)."""
+        return self.model.apply({"params": self.params}, token_ids, md, caches, all_logits=all_logits)
+
+    @functools.cached_property
+    def _full_forward(self):
+        def run(params, token_ids):
+            t = token_ids.shape[0]
+            page_size = 16
+            num_pages = -(-t // page_size)
+            layout = KVCacheLayout(self.model_cls.kv_cache_specs(self.config), page_size, num_pages, self.dtype)
+            caches = [tuple(jnp.zeros(layout.page_shape(s), self.dtype) for _ in "kv") for s in layout.layer_specs]
+            positions = jnp.arange(t, dtype=jnp.int32)
+            md = AttentionMetadata(
+                positions=positions,
+                slot_mapping=positions,
+                token_seq_ids=jnp.zeros((t,), jnp.int32),
+                block_tables=jnp.arange(num_pages, dtype=jnp.int32)[None, :],
+                seq_lens=jnp.array([t], jnp.int32),
+                logits_indices=jnp.array([t - 1], jnp.int32),
+            )
+            logits, _ = self.model.apply({"params": params}, token_ids, md, caches, all_logits=True)
+            return logits
+
+        return jax.jit(run)
+
+    def logits(self, token_ids) -> np.ndarray:
+        """float32 logits [num_tokens, vocab] of one causal forward over ``token_ids``."""
+        ids = validate_token_ids(token_ids, self.config.vocab_size, "token sequence")
+        return np.asarray(self._full_forward(self.params, jnp.asarray(ids, jnp.int32)))
+
+
+def load_model(path: str | os.PathLike, dtype="float32", *, mesh=None, progress: bool = False) -> LoadedModel:
+    path = os.fspath(path)
+    config = ModelConfig.from_pretrained(path)
+    model_cls = ModelRegistry.resolve(config.architecture)
+    model_cls.validate_config(config)
+    dtype = resolve_dtype(dtype, config)
+    mesh = mesh if mesh is not None else make_mesh()
+    params = load_params(path, model_cls, config, dtype, mesh, progress=progress)
+    return LoadedModel(path, config, model_cls, model_cls(config, dtype), params, mesh, dtype)

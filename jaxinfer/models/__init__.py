@@ -1,0 +1,1 @@
+"""Model implementations. Look them up through ``jaxinfer.registry.ModelRegistry``."""

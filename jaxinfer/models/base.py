@@ -1,0 +1,64 @@
+"""What every model implementation provides to the engine.
+
+A model is a Flax linen module, used functionally: ``model.apply({"params": params}, token_ids, md,
+caches)`` returns ``(logits, caches)``. Parameter paths mirror HF checkpoint names (``layers.3`` <->
+``layers_3``), so loading is a name mapping, not a conversion. Capability flags are class attributes
+the engine reads instead of special-casing families.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import ClassVar
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from jaxinfer.cache.layout import KVCacheSpec
+from jaxinfer.config import ModelConfig
+
+_LAYER_INDEX = re.compile(r"^(.*)_(\d+)$")
+
+
+class CausalLM(nn.Module):
+    config: ModelConfig
+    dtype: jnp.dtype = jnp.float32
+
+    # Capability flags.
+    has_recurrent_state: ClassVar[bool] = False  # linear-attention state slots besides the KV pages
+    supports_tensor_parallel: ClassVar[bool] = True
+    supports_expert_parallel: ClassVar[bool] = False
+    # Checkpoint tensors that are derived buffers, not parameters (regexes over HF names).
+    ignored_checkpoint_keys: ClassVar[tuple[str, ...]] = (r".*rotary_emb\.inv_freq$",)
+
+    @classmethod
+    def validate_config(cls, config: ModelConfig) -> None:
+        """Raise ``ConfigError`` for any config value the implementation does not support."""
+
+    @classmethod
+    def kv_cache_specs(cls, config: ModelConfig) -> tuple[KVCacheSpec, ...]:
+        raise NotImplementedError
+
+    @classmethod
+    def ignored_checkpoint_keys_for(cls, config: ModelConfig) -> tuple[str, ...]:
+        """``ignored_checkpoint_keys`` plus config-dependent ones (e.g. a stored but tied LM head)."""
+        return cls.ignored_checkpoint_keys
+
+    @staticmethod
+    def checkpoint_name_to_path(name: str) -> tuple[str, ...]:
+        """``model.layers.3.mlp.up_proj.weight`` -> ``("model", "layers_3", "mlp", "up_proj", "weight")``."""
+        parts: list[str] = []
+        for part in name.split("."):
+            if part.isdigit() and parts:
+                parts[-1] = f"{parts[-1]}_{part}"
+            else:
+                parts.append(part)
+        return tuple(parts)
+
+    @staticmethod
+    def path_to_checkpoint_name(path: tuple[str, ...]) -> str:
+        out = []
+        for part in path:
+            match = _LAYER_INDEX.match(part)
+            out.append(f"{match.group(1)}.{match.group(2)}" if match else part)
+        return ".".join(out)

@@ -1,0 +1,1 @@
+"""Layers shared by every model family: norms, rotary embeddings, projections, MLPs, attention."""

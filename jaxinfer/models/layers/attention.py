@@ -1,0 +1,50 @@
+"""Grouped-query self-attention over the paged KV cache (full or sliding window)."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from jaxinfer.cache.metadata import AttentionMetadata
+from jaxinfer.kernels import attention as attention_ops
+from jaxinfer.models.layers.linear import Linear
+from jaxinfer.models.layers.norm import RMSNorm
+from jaxinfer.models.layers.rope import apply_rotary
+
+
+class PagedGQAttention(nn.Module):
+    """q/k/v projections -> optional per-head q/k RMSNorm -> RoPE -> cache write -> attention -> o_proj.
+
+    KV head ``j`` serves query heads ``[j*g, (j+1)*g)`` (HF's ``repeat_kv``), ``g = heads // kv_heads``.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm_eps: float | None = None  # per-head q/k RMSNorm before RoPE (Qwen3)
+    sliding_window: int | None = None
+    scale: float | None = None  # default head_dim ** -0.5
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, cos, sin, kv_cache, md: AttentionMetadata):
+        t = x.shape[0]
+        proj = lambda n, bias, name: Linear(n, bias, self.param_dtype, name=name)  # noqa: E731
+        q = proj(self.num_heads * self.head_dim, self.qkv_bias, "q_proj")(x).reshape(t, self.num_heads, self.head_dim)
+        k = proj(self.num_kv_heads * self.head_dim, self.qkv_bias, "k_proj")(x).reshape(t, self.num_kv_heads, self.head_dim)
+        v = proj(self.num_kv_heads * self.head_dim, self.qkv_bias, "v_proj")(x).reshape(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm_eps is not None:
+            q = RMSNorm(self.qk_norm_eps, param_dtype=self.param_dtype, name="q_norm")(q)
+            k = RMSNorm(self.qk_norm_eps, param_dtype=self.param_dtype, name="k_norm")(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+        k_cache, v_cache = attention_ops.write_kv_cache(*kv_cache, k, v, md.slot_mapping)
+        options = dict(scale=self.scale or self.head_dim**-0.5, sliding_window=self.sliding_window)
+        if md.decode:
+            out = attention_ops.paged_decode_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, **options)
+        else:
+            out = attention_ops.ragged_paged_attention(q, k_cache, v_cache, md, **options)
+        out = proj(x.shape[-1], self.o_bias, "o_proj")(out.reshape(t, self.num_heads * self.head_dim))
+        return out, (k_cache, v_cache)

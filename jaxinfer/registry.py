@@ -1,0 +1,60 @@
+"""HF architecture name -> model implementation, imported only when asked for.
+
+Entries are fully-qualified ``"package.module:Class"`` strings, so an external package can plug its
+own model in without touching jaxinfer::
+
+    from jaxinfer import ModelRegistry
+    ModelRegistry.register("FooForCausalLM", "my_pkg.models.foo:FooForCausalLM")
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from jaxinfer.errors import UnsupportedArchitectureError
+
+_DENSE = "jaxinfer.models.dense:DenseDecoderForCausalLM"
+_BUILTIN_MODELS: dict[str, str] = {
+    "LlamaForCausalLM": _DENSE,
+    "MistralForCausalLM": _DENSE,
+    "Qwen2ForCausalLM": _DENSE,
+    "Qwen3ForCausalLM": _DENSE,
+}
+
+
+class _ModelRegistry:
+    def __init__(self, entries: dict[str, str]):
+        self._entries = dict(entries)
+        self._loaded: dict[str, type] = {}
+
+    def register(self, architecture: str, target: str | type) -> None:
+        """Register an architecture; ``target`` is a class or a ``"package.module:Class"`` string."""
+        if isinstance(target, str) and ":" not in target:
+            raise ValueError(f"registry target must look like 'package.module:Class', got {target!r}")
+        self._loaded.pop(architecture, None)
+        if isinstance(target, type):
+            self._loaded[architecture] = target
+            self._entries[architecture] = f"{target.__module__}:{target.__qualname__}"
+        else:
+            self._entries[architecture] = target
+
+    def supported_architectures(self) -> list[str]:
+        return sorted(self._entries)
+
+    def resolve(self, architecture: str) -> type:
+        if architecture in self._loaded:
+            return self._loaded[architecture]
+        target = self._entries.get(architecture)
+        if target is None:
+            raise UnsupportedArchitectureError(
+                f"architecture {architecture!r} is not supported. Supported: "
+                f"{', '.join(self.supported_architectures())}. External packages can add one with "
+                "jaxinfer.ModelRegistry.register(name, 'pkg.module:Class')."
+            )
+        module_name, class_name = target.split(":")
+        cls = getattr(importlib.import_module(module_name), class_name)
+        self._loaded[architecture] = cls
+        return cls
+
+
+ModelRegistry = _ModelRegistry(_BUILTIN_MODELS)

@@ -1,0 +1,100 @@
+"""Tiny random checkpoints in HuggingFace format, written without torch or a hub.
+
+``write_tiny_checkpoint(path, family)`` writes ``config.json``, ``generation_config.json``,
+``model.safetensors`` (random weights, HF tensor names) and a byte-level tokenizer with a chat
+template. The default CLI run uses one; so can tests and notebooks. Its text output is random.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+from flax import traverse_util
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.registry import ModelRegistry
+
+SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>")  # ids 0, 1, 2; bytes follow
+VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+_COMMON = dict(
+    vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6, hidden_act="silu",
+    bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False, dtype="float32",
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
+
+TINY_FAMILIES: dict[str, dict] = {
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False, mlp_bias=False),
+    "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=32),
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False,
+                  sliding_window=None, max_window_layers=2),
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", attention_bias=False,
+                  use_sliding_window=False, sliding_window=None, max_window_layers=2, tie_word_embeddings=True),
+}
+
+
+def tiny_config(family: str = "llama", **overrides) -> dict:
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"unknown tiny family {family!r}; choose from {', '.join(TINY_FAMILIES)}")
+    return {**_COMMON, **TINY_FAMILIES[family], **overrides}
+
+
+def _write_tokenizer(path: str) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in sorted(byte_chars):
+        vocab[ch] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=SPECIAL_TOKENS[0],
+                                   bos_token=SPECIAL_TOKENS[1], eos_token=SPECIAL_TOKENS[2])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+
+
+def write_tiny_checkpoint(path: str | os.PathLike, family: str = "llama", *, seed: int = 0,
+                          with_tokenizer: bool = True, **config_overrides) -> str:
+    from safetensors.numpy import save_file
+
+    from jaxinfer.weights import init_params
+
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    raw = tiny_config(family, **config_overrides)
+    config = ModelConfig.from_dict(raw)
+    model_cls = ModelRegistry.resolve(config.architecture)
+    params = traverse_util.flatten_dict(init_params(model_cls, config, seed))
+    tensors = {model_cls.path_to_checkpoint_name(p): np.asarray(v, np.float32) for p, v in params.items()}
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(raw, f, indent=2)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": raw["bos_token_id"], "eos_token_id": raw["eos_token_id"]}, f, indent=2)
+    if with_tokenizer:
+        _write_tokenizer(path)
+    return path
+
+
+def default_checkpoint_dir() -> str:
+    """Where the CLI keeps its built-in tiny checkpoint (``$JAXINFER_HOME`` or ~/.cache/jaxinfer)."""
+    home = os.environ.get("JAXINFER_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "jaxinfer")
+    return os.path.join(home, "tiny-llama")
+
+
+def ensure_default_checkpoint() -> str:
+    path = default_checkpoint_dir()
+    if not os.path.isfile(os.path.join(path, "model.safetensors")):
+        write_tiny_checkpoint(path, "llama")
+    return path

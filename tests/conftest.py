@@ -1,0 +1,63 @@
+"""Shared fixtures: tiny random HF checkpoints written with ``save_pretrained``."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+# float32 parity needs float32 matmuls; GPUs would otherwise use TF32 (CPU is unaffected).
+jax.config.update("jax_default_matmul_precision", "highest")
+
+TINY = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128)
+
+
+def make_hf_checkpoint(path, family: str, seed: int = 0, **overrides):
+    """Build a random HF model of ``family`` with torch, save it, return (path, model)."""
+    import torch
+    import transformers
+
+    classes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }
+    config_cls, model_cls = classes[family]
+    config = config_cls(**{**TINY, **overrides})
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    # Random init leaves norms at 1 and biases at 0; perturb them so the parity test sees them.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return str(path), model
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    cache = {}
+
+    def get(family: str, **overrides):
+        key = (family, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        if key not in cache:
+            cache[key] = make_hf_checkpoint(tmp_path_factory.mktemp(family), family, **overrides)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """The project's own tiny checkpoint (with tokenizer), as the CLI default writes it."""
+    from jaxinfer.tiny import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), "llama", max_position_embeddings=128)
+
+
+def random_prompts(lengths, vocab_size=160, seed=0):
+    rng = np.random.RandomState(seed)
+    return [rng.randint(3, vocab_size, size=n).tolist() for n in lengths]

@@ -1,0 +1,157 @@
+"""Engine behaviour: batching, paging, preemption, stop conditions, strict AOT mode."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxinfer import LLM, CompilationAfterWarmupError, SamplingParams
+from jaxinfer.engine.aot import CompileGuard
+from tests.conftest import random_prompts
+
+SMALL = dict(dtype="float32", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, page_size=8,
+             show_progress=False)
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+# Lengths straddle page boundaries (page_size 8) and exceed one mixed-step budget (32 tokens).
+LENGTHS = [3, 8, 9, 17, 40]
+
+
+@pytest.fixture(scope="module")
+def strict_llm(hf_checkpoint):
+    path, _ = hf_checkpoint("llama")
+    return LLM(path, strict=True, **SMALL)
+
+
+def _one_at_a_time(llm, prompts, params):
+    return [llm.generate(prompt_token_ids=[p], sampling_params=params)[0].token_ids for p in prompts]
+
+
+def test_batched_equals_one_at_a_time_greedy(strict_llm):
+    prompts = random_prompts(LENGTHS, seed=3)
+    batched = [o.token_ids for o in strict_llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
+    assert batched == _one_at_a_time(strict_llm, prompts, GREEDY)
+    assert all(len(t) == 12 for t in batched)
+
+
+def test_seeded_sampling_is_batch_invariant(strict_llm):
+    prompts = random_prompts(LENGTHS, seed=4)
+    params = [SamplingParams(temperature=0.9, top_p=0.8, top_k=50, seed=i, max_tokens=10, ignore_eos=True)
+              for i in range(len(prompts))]
+    batched = [o.token_ids for o in strict_llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    alone = [strict_llm.generate(prompt_token_ids=[p], sampling_params=sp)[0].token_ids
+             for p, sp in zip(prompts, params)]
+    assert batched == alone
+    other_seed = strict_llm.generate(prompt_token_ids=[prompts[0]], sampling_params=SamplingParams(
+        temperature=0.9, top_p=0.8, top_k=50, seed=99, max_tokens=10, ignore_eos=True))[0].token_ids
+    assert other_seed != batched[0]
+
+
+def test_mixed_workload_under_strict_mode(strict_llm):
+    """Many requests with different lengths and sampling settings: more than max_num_seqs at once,
+    chunked prefills next to decodes; strict mode raises on any compile after warm-up."""
+    prompts = random_prompts([5, 33, 12, 2, 47, 9, 20, 1, 30], seed=5)
+    params = [SamplingParams(temperature=t, max_tokens=m, seed=1, ignore_eos=True, logprobs=2 if t else None)
+              for t, m in zip([0, 0.7, 1.0, 0, 0.5, 0, 1.2, 0, 0.3], [3, 16, 8, 17, 9, 1, 12, 5, 30])]
+    outs = strict_llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    for prompt, sp, out in zip(prompts, params, outs):
+        assert len(out.token_ids) == min(sp.max_tokens, 64 - len(prompt))
+        assert out.finish_reason == "length"
+        assert (out.logprobs is None) == (sp.logprobs is None)
+        if out.logprobs:
+            assert len(out.logprobs) == len(out.token_ids)
+            assert all(tok in lp for tok, lp in zip(out.token_ids, out.logprobs))
+
+
+def test_strict_mode_refuses_a_key_outside_the_grid(strict_llm):
+    runner = strict_llm.engine.runner
+    key = runner.compiled_keys[0]
+    executable = runner._executables.pop(key)
+    try:
+        with pytest.raises(CompilationAfterWarmupError):
+            runner._call(key, runner._example_inputs(key))
+    finally:
+        runner._executables[key] = executable
+
+
+def test_compile_guard_catches_tracing():
+    with pytest.raises(CompilationAfterWarmupError):
+        with CompileGuard.get().serving():
+            jax.jit(lambda x: x * 3 + 1)(jnp.ones(3))
+
+
+def test_preemption_gives_the_same_tokens(hf_checkpoint, strict_llm):
+    """With only 10 pages for 4 sequences of up to 8 pages each, requests get preempted and
+    recomputed; greedy outputs must not change."""
+    path, _ = hf_checkpoint("llama")
+    tight = LLM(path, warmup=False, num_pages=10, **{k: v for k, v in SMALL.items()})
+    prompts = random_prompts([30, 25, 28, 20], seed=6)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    outs = tight.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert tight.engine.scheduler.running == []
+    assert [o.token_ids for o in outs] == _one_at_a_time(strict_llm, prompts, params)
+    assert tight.engine.scheduler.allocator.num_free == 10
+
+
+def test_preemption_actually_happens(hf_checkpoint):
+    path, _ = hf_checkpoint("llama")
+    tight = LLM(path, warmup=False, num_pages=10, **SMALL)
+    prompts = random_prompts([30, 25, 28, 20], seed=6)
+    requests = [tight.engine.make_request(p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+                for p in prompts]
+    for r in requests:
+        tight.engine.add(r)
+    tight.engine.run(requests)
+    assert sum(r.num_preemptions for r in requests) > 0
+    assert all(len(r.output_token_ids) == 30 for r in requests)
+
+
+def test_stop_token_ids_and_eos(strict_llm):
+    prompt = random_prompts([10], seed=7)[0]
+    free = strict_llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY)[0].token_ids
+    stop_at = free[4]
+    first = free.index(stop_at)
+    out = strict_llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_at]))[0]
+    assert out.token_ids == free[: first + 1] and out.finish_reason == "stop"
+    # The checkpoint's EOS (from generation_config.json) stops generation unless ignore_eos.
+    eos = strict_llm.engine.eos_token_ids
+    assert eos
+    strict_llm.engine.eos_token_ids = (stop_at,)
+    try:
+        out = strict_llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=0, max_tokens=12))[0]
+    finally:
+        strict_llm.engine.eos_token_ids = eos
+    assert out.token_ids == free[: first + 1] and out.finish_reason == "stop"
+
+
+def test_generation_stops_at_max_model_len(strict_llm):
+    prompt = random_prompts([60], seed=8)[0]
+    out = strict_llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
+        temperature=0, max_tokens=None, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"
+
+
+def test_text_prompts_stop_strings_and_chat(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, warmup=False, **SMALL)
+    free = llm.generate("Hello there", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+    assert free.prompt_token_ids == llm.tokenizer.encode("Hello there")
+    assert free.text == llm.tokenizer.decode(free.token_ids, skip_special_tokens=True)
+    stop = free.text[3:5]
+    assert stop, "the tiny model produced too little text for this test"
+    out = llm.generate("Hello there", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == free.text[: free.text.find(stop)]
+    chat = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=4))[0]
+    expected_prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                                        tokenize=True, return_dict=False)
+    assert chat.prompt_token_ids == list(expected_prompt)
+
+
+def test_persistent_compilation_cache(tmp_path, hf_checkpoint):
+    path, _ = hf_checkpoint("llama")
+    cache_dir = tmp_path / "xla-cache"
+    options = {**SMALL, "max_model_len": 16, "max_num_seqs": 1, "max_num_batched_tokens": 16}
+    LLM(path, compilation_cache_dir=str(cache_dir), **options)
+    assert any(cache_dir.iterdir())
+    jax.config.update("jax_compilation_cache_dir", None)
