@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import numpy as np
@@ -12,9 +13,12 @@ from jaxinfer.errors import JaxInferError
 
 
 def _engine_options(args) -> dict:
+    from jaxinfer.tiny import jaxinfer_home
+
+    cache_dir = None if args.no_compilation_cache else (
+        args.compilation_cache_dir or os.path.join(jaxinfer_home(), "xla-cache"))
     options = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-               "page_size": args.page_size, "strict": args.strict,
-               "compilation_cache_dir": args.compilation_cache_dir}
+               "page_size": args.page_size, "strict": args.strict, "compilation_cache_dir": cache_dir}
     if args.max_model_len:
         options["max_model_len"] = args.max_model_len
     return options
@@ -27,7 +31,9 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--strict", action="store_true", help="fail if anything compiles after the warm-up")
-    p.add_argument("--compilation-cache-dir", default=None, help="persistent compilation cache directory")
+    p.add_argument("--compilation-cache-dir", default=None,
+                   help="persistent compilation cache (default: xla-cache under $JAXINFER_HOME or ~/.cache/jaxinfer)")
+    p.add_argument("--no-compilation-cache", action="store_true", help="compile everything afresh")
 
 
 def _model_path(args) -> str:

@@ -87,10 +87,14 @@ def write_tiny_checkpoint(path: str | os.PathLike, family: str = "llama", *, see
     return path
 
 
+def jaxinfer_home() -> str:
+    """Where the CLI keeps its files: ``$JAXINFER_HOME`` or ~/.cache/jaxinfer."""
+    return os.environ.get("JAXINFER_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "jaxinfer")
+
+
 def default_checkpoint_dir() -> str:
-    """Where the CLI keeps its built-in tiny checkpoint (``$JAXINFER_HOME`` or ~/.cache/jaxinfer)."""
-    home = os.environ.get("JAXINFER_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "jaxinfer")
-    return os.path.join(home, "tiny-llama")
+    """The CLI's built-in tiny checkpoint."""
+    return os.path.join(jaxinfer_home(), "tiny-llama")
 
 
 def ensure_default_checkpoint() -> str:

@@ -1,0 +1,40 @@
+"""Tensor parallelism on a CPU mesh of 8 fake devices (a subprocess: the flag must precede jax's start)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax, numpy as np
+    from jaxinfer import LLM, SamplingParams, load_model
+    from jaxinfer.sharding import make_mesh
+    from jaxinfer.tiny import write_tiny_checkpoint
+
+    assert len(jax.devices()) == 8
+    path = write_tiny_checkpoint(sys.argv[1], "qwen3", with_tokenizer=False, max_position_embeddings=64)
+    ids = [5, 17, 99, 3, 42, 7, 250, 1, 60]
+    single = load_model(path).logits(ids)
+    mesh = make_mesh(tensor_parallel=2)
+    sharded_model = load_model(path, mesh=mesh)
+    q_proj = sharded_model.params["model"]["layers_0"]["self_attn"]["q_proj"]["weight"]
+    assert len(q_proj.sharding.device_set) == 2 and not q_proj.sharding.is_fully_replicated
+    np.testing.assert_allclose(sharded_model.logits(ids), single, atol=1e-5)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    options = dict(max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16, warmup=False, show_progress=False)
+    one = LLM(path, **options).generate(prompt_token_ids=[ids, ids[:4]], sampling_params=params)
+    two = LLM(path, mesh=mesh, **options).generate(prompt_token_ids=[ids, ids[:4]], sampling_params=params)
+    assert [o.token_ids for o in one] == [o.token_ids for o in two]
+    print("ok")
+""")
+
+
+def test_tensor_parallel_matches_single_device(tmp_path):
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "ckpt")], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("ok")
