@@ -145,7 +145,7 @@ def test_cli_generate_and_info(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setenv("JAXINFER_HOME", str(tmp_path))
     assert main(["generate", "--prompt", "Hi", "--max-tokens", "3", "--max-model-len", "32", "--max-num-seqs", "1",
-                 "--max-num-batched-tokens", "16", "--json", "--strict"]) == 0
+                 "--max-num-batched-tokens", "16", "--json", "--strict", "--no-compilation-cache"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and '"finish_reason": "length"' in out[0]
     assert main(["info", "-v", "--max-model-len", "32"]) == 0

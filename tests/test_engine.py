@@ -152,6 +152,11 @@ def test_persistent_compilation_cache(tmp_path, hf_checkpoint):
     path, _ = hf_checkpoint("llama")
     cache_dir = tmp_path / "xla-cache"
     options = {**SMALL, "max_model_len": 16, "max_num_seqs": 1, "max_num_batched_tokens": 16}
-    LLM(path, compilation_cache_dir=str(cache_dir), **options)
-    assert any(cache_dir.iterdir())
-    jax.config.update("jax_compilation_cache_dir", None)
+    from jax.experimental.compilation_cache import compilation_cache
+
+    try:
+        LLM(path, compilation_cache_dir=str(cache_dir), **options)
+        assert any(cache_dir.iterdir())
+    finally:
+        compilation_cache.reset_cache()
+        jax.config.update("jax_compilation_cache_dir", None)

@@ -26,7 +26,11 @@ class KVCacheSpec:
 
 @dataclasses.dataclass(frozen=True)
 class KVCacheLayout:
-    """K/V pages of shape ``[num_pages, page_size, num_kv_heads, head_dim]`` per layer."""
+    """K/V pages of shape ``[num_kv_heads, num_pages, page_size, head_dim]`` per layer.
+
+    Head-major: one KV head's pages are one contiguous array, so an attention kernel program that
+    serves one KV head indexes pages of that array directly.
+    """
 
     layer_specs: tuple[KVCacheSpec, ...]
     page_size: int
@@ -53,11 +57,11 @@ class KVCacheLayout:
         return self.bytes_per_page * self.num_pages
 
     def page_shape(self, spec: KVCacheSpec) -> tuple[int, ...]:
-        return (self.num_pages, self.page_size, spec.num_kv_heads, spec.head_dim)
+        return (spec.num_kv_heads, self.num_pages, self.page_size, spec.head_dim)
 
     def sharding(self, mesh: Mesh) -> NamedSharding:
         # KV heads split over the tensor-parallel axis, like the attention heads that write them.
-        return NamedSharding(mesh, P(None, None, "model", None))
+        return NamedSharding(mesh, P("model", None, None, None))
 
     def abstract(self, mesh: Mesh):
         """ShapeDtypeStructs of the caches: a list, one ``(k, v)`` pair per layer."""

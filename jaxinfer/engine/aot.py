@@ -99,7 +99,14 @@ class CompileGuard:
 
 
 def enable_compilation_cache(directory: str) -> None:
-    """Persist compiled executables so the next start-up reads them instead of compiling."""
+    """Persist compiled executables so the next start-up reads them instead of compiling.
+
+    JAX opens its cache once per process; pointing it at another directory resets it first.
+    """
+    from jax.experimental.compilation_cache import compilation_cache
+
+    if jax.config.jax_compilation_cache_dir != directory:
+        compilation_cache.reset_cache()
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

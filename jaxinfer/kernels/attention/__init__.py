@@ -1,15 +1,16 @@
 """Attention ops over the paged KV cache.
 
-Models call these functions; each dispatches to an implementation chosen by platform. Today every
-platform runs the plain-jnp reference (``reference.py``); GPU kernels register here behind the same
-signatures. ``set_implementation("reference")`` forces the reference everywhere (for debugging).
+Models call these functions; each dispatches to an implementation chosen by platform: the plain-jnp
+reference (``reference.py``, the semantic truth) on CPU, the Pallas kernels on GPU. An op without a
+kernel falls back to the reference. ``set_implementation("reference")`` forces the reference
+everywhere (for debugging and for measuring what the kernels buy).
 """
 
 from __future__ import annotations
 
 import jax
 
-from jaxinfer.kernels.attention import reference
+from jaxinfer.kernels.attention import decode_pallas, reference
 
 _IMPLEMENTATIONS = {
     "reference": {
@@ -17,8 +18,12 @@ _IMPLEMENTATIONS = {
         "ragged_paged_attention": reference.ragged_paged_attention,
         "paged_decode_attention": reference.paged_decode_attention,
     },
+    "pallas": {
+        # The cache write stays an XLA scatter: with the caches donated it updates in place.
+        "paged_decode_attention": decode_pallas.paged_decode_attention,
+    },
 }
-_PLATFORM_DEFAULT = {"cpu": "reference", "gpu": "reference", "cuda": "reference", "tpu": "reference"}
+_PLATFORM_DEFAULT = {"cpu": "reference", "gpu": "pallas", "cuda": "pallas", "rocm": "reference", "tpu": "reference"}
 _forced: str | None = None
 
 
@@ -30,9 +35,12 @@ def set_implementation(name: str | None) -> None:
     _forced = name
 
 
+def implementation_name() -> str:
+    return _forced or _PLATFORM_DEFAULT.get(jax.default_backend(), "reference")
+
+
 def _impl(op: str):
-    name = _forced or _PLATFORM_DEFAULT.get(jax.default_backend(), "reference")
-    return _IMPLEMENTATIONS[name][op]
+    return _IMPLEMENTATIONS[implementation_name()].get(op, _IMPLEMENTATIONS["reference"][op])
 
 
 def write_kv_cache(k_cache, v_cache, k, v, slot_mapping):

@@ -14,14 +14,17 @@ from jaxinfer.cache.metadata import AttentionMetadata
 
 
 def write_kv_cache(k_cache, v_cache, k, v, slot_mapping):
-    """Scatter new K/V rows [T, kv_heads, head_dim] into their slots; negative slots are dropped."""
-    num_pages, page_size = k_cache.shape[:2]
+    """Scatter new K/V rows [T, kv_heads, head_dim] into their slots; negative slots are dropped.
+
+    Caches are ``[kv_heads, num_pages, page_size, head_dim]``; slot = page * page_size + offset.
+    """
+    kv_heads, num_pages, page_size, head_dim = k_cache.shape
     num_slots = num_pages * page_size
     slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)  # out of range -> dropped
 
     def scatter(cache, rows):
-        flat = cache.reshape(num_slots, *cache.shape[2:])
-        flat = flat.at[slots].set(rows.astype(cache.dtype), mode="drop")
+        flat = cache.reshape(kv_heads, num_slots, head_dim)
+        flat = flat.at[:, slots].set(rows.swapaxes(0, 1).astype(cache.dtype), mode="drop")
         return flat.reshape(cache.shape)
 
     return scatter(k_cache, k), scatter(v_cache, v)
@@ -29,9 +32,9 @@ def write_kv_cache(k_cache, v_cache, k, v, slot_mapping):
 
 def _gather_sequences(cache, block_tables):
     """[S, pages_per_seq * page_size, kv_heads, head_dim]: each sequence's cache, in order."""
-    pages = cache[block_tables]  # [S, P, page_size, kv, d]
-    s, p, page_size = pages.shape[:3]
-    return pages.reshape(s, p * page_size, *cache.shape[2:])
+    pages = cache[:, block_tables]  # [kv, S, P, page_size, d]
+    kv, s, p, page_size, d = pages.shape
+    return pages.reshape(kv, s, p * page_size, d).transpose(1, 2, 0, 3)
 
 
 def _attend(q, k, v, visible, *, scale, logit_softcap, sinks):
@@ -68,7 +71,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale,
                            logit_softcap=None, sinks=None):
     """Queries [T, heads, d] from several sequences (any number of new tokens each) over the cache."""
     t, heads, d = q.shape
-    kv_heads = k_cache.shape[2]
+    kv_heads = k_cache.shape[0]
     k = _gather_sequences(k_cache, md.block_tables)[md.token_seq_ids]
     v = _gather_sequences(v_cache, md.block_tables)[md.token_seq_ids]
     visible = _visible(md.positions, md.seq_lens[md.token_seq_ids], k.shape[1], sliding_window)
@@ -81,7 +84,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale
                            logit_softcap=None, sinks=None):
     """One query per sequence [S, heads, d], at position ``seq_lens[s] - 1``."""
     s, heads, d = q.shape
-    kv_heads = k_cache.shape[2]
+    kv_heads = k_cache.shape[0]
     k = _gather_sequences(k_cache, block_tables)
     v = _gather_sequences(v_cache, block_tables)
     visible = _visible(seq_lens - 1, seq_lens, k.shape[1], sliding_window)

@@ -1,0 +1,142 @@
+"""Paged decode attention in Pallas (Triton lowering): split-KV flash decoding.
+
+One query token per sequence. Grid ``(sequence, kv_head, split)``: each program takes the ``G``
+query heads that share one KV head (padded to 16 rows for the tensor cores), walks its share of the
+sequence's pages ``pages_per_block`` at a time through the block table, and keeps an online softmax
+in float32. Splitting the KV length over programs keeps the GPU busy when there are few sequences;
+the partial results (``o``, row max ``m``, row sum ``l``) are merged in a small jnp epilogue, which
+also adds the attention-sink logits. Pages a sliding window has left behind are skipped, not masked.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
+_TARGET_PROGRAMS = 4 * 132  # a few waves of programs on an H100/H200 (132 SMs)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, o_ref, m_ref, l_ref, *, scale, page_size, pages_per_block,
+            blocks_per_split, sliding_window, logit_softcap):
+    split = pl.program_id(2)
+    block_tokens = pages_per_block * page_size
+    length = len_ref[0]
+    lo_block = split * blocks_per_split
+    hi_block = jnp.minimum(lo_block + blocks_per_split, pl.cdiv(length, block_tokens))
+    if sliding_window:
+        first_visible = jnp.maximum(length - sliding_window, 0)  # query at length-1 sees j > length-1-W
+        lo_block = jnp.maximum(lo_block, first_visible // block_tokens)
+    q = q_ref[...]
+    rows, head_dim = q.shape
+
+    def body(block, carry):
+        o, m, l = carry
+        pages = bt_ref[pl.ds(block * pages_per_block, pages_per_block)]
+        k = k_ref[pages].reshape(block_tokens, head_dim)
+        v = v_ref[pages].reshape(block_tokens, head_dim)
+        s = plgpu.dot(q, k, trans_b=True) * scale  # [rows, block_tokens] float32
+        if logit_softcap:
+            s = logit_softcap * jnp.tanh(s / logit_softcap)
+        token = block * block_tokens + lax.broadcasted_iota(jnp.int32, (rows, block_tokens), 1)
+        visible = token < length
+        if sliding_window:
+            visible &= token >= length - sliding_window
+        s = jnp.where(visible, s, _MASK)
+        m_next = jnp.maximum(m, s.max(axis=-1))
+        correction = jnp.exp(m - m_next)
+        p = jnp.exp(s - m_next[:, None])
+        l_next = l * correction + p.sum(axis=-1)
+        o_next = o * correction[:, None] + plgpu.dot(p.astype(v.dtype), v)
+        return o_next, m_next, l_next
+
+    init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), _MASK, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    o, m, l = lax.fori_loop(lo_block, jnp.maximum(lo_block, hi_block), body, init)
+    o_ref[...] = o
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def default_blocking(num_seqs: int, num_kv_heads: int, pages_per_seq: int, page_size: int):
+    """(pages_per_block, num_splits): ~128-token KV blocks; enough splits to fill the GPU."""
+    pages_per_block = max(1, min(pages_per_seq, 128 // page_size))
+    num_blocks = pages_per_seq // pages_per_block
+    wanted = _next_pow2(-(-_TARGET_PROGRAMS // (num_seqs * num_kv_heads)))
+    return pages_per_block, math.gcd(num_blocks, wanted)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "logit_softcap", "interpret",
+                                             "pages_per_block", "num_splits", "num_warps", "num_stages"))
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale, sliding_window=None,
+                           logit_softcap=None, sinks=None, interpret=False, pages_per_block=None, num_splits=None,
+                           num_warps=4, num_stages=2):
+    """q [S, heads, d]; caches [kv_heads, num_pages, page_size, d]; block_tables [S, P]; seq_lens [S]."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    rows = max(16, _next_pow2(group))
+    auto_ppb, auto_splits = default_blocking(num_seqs, num_kv_heads, block_tables.shape[1], page_size)
+    pages_per_block = pages_per_block or auto_ppb
+    # The block table is read in whole blocks: pad it to a multiple of the block (padding is masked).
+    pad = -block_tables.shape[1] % pages_per_block
+    if pad:
+        block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)))
+    num_blocks = block_tables.shape[1] // pages_per_block
+    num_splits = math.gcd(num_blocks, num_splits or auto_splits)
+    blocks_per_split = num_blocks // num_splits
+
+    q_rows = q.reshape(num_seqs, num_kv_heads, group, head_dim)
+    if rows != group:
+        q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+    kernel = functools.partial(_kernel, scale=scale, page_size=page_size, pages_per_block=pages_per_block,
+                               blocks_per_split=blocks_per_split, sliding_window=sliding_window,
+                               logit_softcap=logit_softcap)
+    cache_spec = pl.BlockSpec((None,) + k_cache.shape[1:], lambda s, h, k: (h, 0, 0, 0))
+    partial_shape = (num_seqs, num_kv_heads, num_splits, rows)
+    o, m, l = pl.pallas_call(
+        kernel,
+        grid=(num_seqs, num_kv_heads, num_splits),
+        in_specs=[
+            pl.BlockSpec((None, None, rows, head_dim), lambda s, h, k: (s, h, 0, 0)),
+            cache_spec,
+            cache_spec,
+            pl.BlockSpec((None, block_tables.shape[1]), lambda s, h, k: (s, 0)),
+            pl.BlockSpec((None, 1), lambda s, h, k: (s, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, k: (s, h, k, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda s, h, k: (s, h, k, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda s, h, k: (s, h, k, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct(partial_shape + (head_dim,), jnp.float32),
+            jax.ShapeDtypeStruct(partial_shape, jnp.float32),
+            jax.ShapeDtypeStruct(partial_shape, jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="paged_decode_attention",
+    )(q_rows, k_cache, v_cache, block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32)[:, None])
+
+    o, m, l = o[:, :, :, :group], m[:, :, :, :group], l[:, :, :, :group]
+    m_max = m.max(axis=2)  # [S, kv, G]
+    if sinks is not None:
+        sink = sinks.astype(jnp.float32).reshape(num_kv_heads, group)[None]
+        m_max = jnp.maximum(m_max, sink)
+    weight = jnp.exp(m - m_max[:, :, None])
+    denom = (l * weight).sum(axis=2)
+    if sinks is not None:
+        denom = denom + jnp.exp(sink - m_max)
+    out = (o * weight[..., None]).sum(axis=2) / jnp.where(denom == 0, 1.0, denom)[..., None]
+    return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)

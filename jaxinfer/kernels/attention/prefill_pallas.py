@@ -1,0 +1,288 @@
+"""Ragged paged prefill attention as a Pallas Triton kernel (GPU), same semantics as ``reference.py``.
+
+The step's ``T`` tokens come from several sequences, packed as contiguous runs in increasing sequence
+order (padding tokens, ``slot_mapping < 0``, after all real ones). The wrapper cuts every run into
+*query blocks* of ``block_q`` consecutive tokens of one sequence (``cdiv(len, block_q)`` blocks per
+run, so at most ``cdiv(T, block_q) + S`` blocks in all, a static bound) and gathers their queries
+into ``[num_blocks, kv_heads, block_q * G, head_dim]``: all ``G = heads // kv_heads`` query heads of
+one KV head share a program, row ``i * G + g`` being token ``i`` of the block and head ``g`` of the
+group (``G`` padded to a power of two). Each program of the ``(kv_heads, num_blocks)`` grid walks the
+block's keys ``pages_per_block`` pages at a time through the block table (online softmax in
+float32), from the first page its first query can see (sliding window) to the last key its last
+query can see (causal). Key blocks that every row of the query block sees whole skip the mask.
+Programs are ordered with the last query blocks (the longest key ranges) first. The wrapper gathers
+the per-block output back to ``[T, heads, head_dim]``; padding tokens get zeros.
+
+Softmax runs in base 2 (``exp2``, logits pre-multiplied by ``log2(e)``). Sinks start the online
+softmax (``m = sink``, ``l = 1``), which is the same as one extra column that is dropped. Masked
+logits are ``-inf`` against a finite running max, so they add exactly zero; a row that sees nothing
+(never a real token) gives zeros, like the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+import jax.numpy as jnp
+
+from jaxinfer.cache.metadata import AttentionMetadata
+
+_LOG2E = math.log2(math.e)
+_M_INIT = -1e30  # finite start of the running max: masked (-inf) logits then give exp2(-inf) = 0
+_META = 8  # int32 fields per query block (see _query_blocks)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def default_block_sizes(num_tokens: int, group: int, head_dim: int, page_size: int, dtype) -> dict:
+    """Block sizes and launch parameters for one call (tuned for Hopper; all that the kernel needs).
+
+    ``block_q * next_pow2(group)`` query rows per program (128; 64 at head_dim 256), keys in blocks
+    of ``pages_per_block * page_size`` (64 or one page when pages are larger; 32 at head_dim 256),
+    as many pipeline stages (at most 3) as ~160 KiB of shared memory holds.
+    """
+    group_pad = _next_pow2(group)
+    rows = 64 if head_dim > 128 else 128
+    block_k = 32 if head_dim > 128 else 64
+    block_q = max(1, rows // group_pad)
+    # Small steps: no more query rows than the step has tokens (but >= 16 rows for the MMA).
+    block_q = max(min(block_q, _next_pow2(num_tokens)), max(1, 16 // group_pad))
+    pages_per_block = max(1, block_k // page_size, -(-16 // page_size))
+    block_k = pages_per_block * page_size
+    rows = block_q * group_pad
+    itemsize = jnp.dtype(dtype).itemsize
+    stage_bytes = 2 * block_k * head_dim * itemsize  # one K and one V tile
+    q_bytes = rows * head_dim * itemsize
+    num_stages = int(min(3, max(1, (160 * 1024 - q_bytes) // stage_bytes)))
+    num_warps = 4 if (head_dim <= 64 and rows * block_k <= 128 * 64) else 8
+    return dict(block_q=block_q, pages_per_block=pages_per_block, num_warps=num_warps, num_stages=num_stages)
+
+
+def _query_blocks(md: AttentionMetadata, *, block_q: int, num_blocks: int, page_size: int, block_k: int,
+                  pages_per_seq: int, sliding_window):
+    """Per-block metadata, with plain jnp.
+
+    Returns ``meta`` [NB, 8] int32 (seq, first page, end of the leading masked key blocks, end of the
+    unmasked ones, number of key blocks, end of the key range, 0, 0), ``row_pos`` [NB, block_q] (the
+    position of each row's token, -1 for rows past the block's tokens), ``row_tok`` [NB, block_q]
+    (its token index, clipped), and per token: ``tok_block``, ``tok_row``, ``tok_valid``.
+    Block ``b`` of the token order is stored at ``NB - 1 - b`` so the grid starts with the last (the
+    longest) blocks.
+    """
+    t = md.positions.shape[0]
+    tok = jnp.arange(t, dtype=jnp.int32)
+    seq = md.token_seq_ids.astype(jnp.int32)
+    valid = md.slot_mapping >= 0
+    prev_seq = jnp.concatenate([jnp.full((1,), -1, jnp.int32), seq[:-1]])
+    prev_valid = jnp.concatenate([jnp.zeros((1,), bool), valid[:-1]])
+    run_start = valid & ((seq != prev_seq) | ~prev_valid)
+    run_first = lax.cummax(jnp.where(run_start, tok, 0), axis=0)
+    row = (tok - run_first) % block_q
+    block_start = valid & (row == 0)
+    block = num_blocks - jnp.cumsum(block_start.astype(jnp.int32))  # stored index: NB - 1 - order
+    valid = valid & (block >= 0)  # only with metadata that breaks the contiguity promise
+    block = jnp.clip(block, 0, num_blocks - 1)
+
+    drop = jnp.int32(num_blocks)  # out of range: dropped by the scatters
+    first_tok = jnp.zeros((num_blocks,), jnp.int32).at[jnp.where(block_start & valid, block, drop)].set(
+        tok, mode="drop")
+    num_rows = jnp.zeros((num_blocks,), jnp.int32).at[jnp.where(valid, block, drop)].add(1, mode="drop")
+
+    i = jnp.arange(block_q, dtype=jnp.int32)
+    row_valid = i[None, :] < num_rows[:, None]
+    row_tok = jnp.clip(first_tok[:, None] + i[None, :], 0, t - 1)
+    row_pos = jnp.where(row_valid, md.positions.astype(jnp.int32)[row_tok], -1)
+
+    block_seq = seq[first_tok]
+    max_pos = row_pos.max(axis=1)
+    min_pos = jnp.where(row_valid, row_pos, 1 << 30).min(axis=1)  # no overflow in min_pos + 1
+    kv_end = jnp.minimum(jnp.minimum(max_pos + 1, md.seq_lens.astype(jnp.int32)[block_seq]),
+                         pages_per_seq * page_size)
+    kv_end = jnp.maximum(kv_end, 0)  # 0 for unused blocks: no key block at all
+    if sliding_window:
+        first_key = jnp.clip(min_pos - sliding_window + 1, 0, None)
+        first_page = jnp.minimum(first_key // page_size, pages_per_seq)
+    else:
+        first_page = jnp.zeros_like(kv_end)
+    lo = first_page * page_size
+    num_kb = (jnp.maximum(kv_end - lo, 0) + block_k - 1) // block_k
+    # Key blocks [k_a, k_b) are seen whole by every valid row: no mask needed there.
+    if sliding_window:
+        need = max_pos - sliding_window + 1 - lo  # window: key block start >= max_pos - W + 1
+        k_a = jnp.clip(-((-need) // block_k), 0, num_kb)
+    else:
+        k_a = jnp.zeros_like(num_kb)
+    full_end = jnp.minimum(min_pos + 1, kv_end)  # causal and seq_len: key block end <= full_end
+    k_b = jnp.clip((full_end - lo) // block_k, k_a, num_kb)
+    zeros = jnp.zeros_like(num_kb)
+    meta = jnp.stack([block_seq, first_page, k_a, k_b, num_kb, kv_end, zeros, zeros], axis=1)
+    return meta.astype(jnp.int32), row_pos, row_tok, row_valid, block, row, valid
+
+
+def _prefill_kernel(meta_ref, bt_ref, pos_ref, q_ref, k_ref, v_ref, *rest, page_size: int,
+                    pages_per_block: int, scale: float, sliding_window, logit_softcap,
+                    has_sinks: bool, precision):
+    if has_sinks:
+        sink_ref, o_ref = rest
+    else:
+        (o_ref,) = rest
+    rows, head_dim = q_ref.shape
+    block_k = pages_per_block * page_size
+
+    seq = meta_ref[0]
+    first_page = meta_ref[1]
+    k_a = meta_ref[2]
+    k_b = meta_ref[3]
+    num_kb = meta_ref[4]
+    kv_end = meta_ref[5]
+
+    q = q_ref[...]
+    row_pos = pos_ref[...]  # [rows]; -1 for rows without a token
+    lo = first_page * page_size
+
+    def body(kb, carry, *, masked: bool):
+        o, m, l = carry
+        page_ids = bt_ref[seq, pl.ds(first_page + kb * pages_per_block, pages_per_block)]
+        k = k_ref[page_ids].reshape(block_k, head_dim)
+        v = v_ref[page_ids].reshape(block_k, head_dim)
+        s = plgpu.dot(q, k, trans_b=True, precision=precision)  # [rows, block_k] f32
+        if logit_softcap:
+            s = (logit_softcap * _LOG2E) * jnp.tanh(s * (scale / logit_softcap))
+        else:
+            s = s * (scale * _LOG2E)
+        if masked:
+            key_pos = lo + kb * block_k + jnp.arange(block_k, dtype=jnp.int32)
+            visible = (key_pos[None, :] <= row_pos[:, None]) & (key_pos[None, :] < kv_end)
+            if sliding_window:
+                visible = visible & (key_pos[None, :] > row_pos[:, None] - sliding_window)
+            s = jnp.where(visible, s, -jnp.inf)
+        m_next = jnp.maximum(m, s.max(axis=-1))
+        alpha = jnp.exp2(m - m_next)
+        p = jnp.exp2(s - m_next[:, None])
+        l_next = l * alpha + p.sum(axis=-1)
+        o_next = o * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
+        return o_next, m_next, l_next
+
+    if has_sinks:
+        m0 = sink_ref[...]  # already in log2 units
+        l0 = jnp.ones((rows,), jnp.float32)
+    else:
+        m0 = jnp.full((rows,), _M_INIT, jnp.float32)
+        l0 = jnp.zeros((rows,), jnp.float32)
+    carry = (jnp.zeros((rows, head_dim), jnp.float32), m0, l0)
+
+    def run(start, stop, carry, masked):
+        return lax.fori_loop(0, stop - start, lambda i, c: body(start + i, c, masked=masked), carry)
+
+    carry = run(0, k_a, carry, True)  # leading key blocks cut by the sliding window
+    carry = run(k_a, k_b, carry, False)  # seen whole by every row
+    carry = run(k_b, num_kb, carry, True)  # the causal diagonal and the sequence end
+    o, _, l = carry
+    o = o / jnp.where(l == 0.0, 1.0, l)[:, None]
+    o_ref[...] = o.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "logit_softcap", "interpret", "block_q",
+                                             "pages_per_block", "num_warps", "num_stages"))
+def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale, sliding_window=None,
+                           logit_softcap=None, sinks=None, interpret=False, block_q=None, pages_per_block=None,
+                           num_warps=None, num_stages=None):
+    """Queries [T, heads, d] from several sequences (any number of new tokens each) over the paged cache.
+
+    ``k_cache``/``v_cache``: [kv_heads, num_pages, page_size, d], already holding this step's K/V.
+    Same semantics as ``reference.ragged_paged_attention``; padding tokens (``slot_mapping < 0``)
+    give zeros. ``block_q`` (query tokens per program, a power of two), ``pages_per_block`` (pages per
+    key block) and the Triton ``num_warps``/``num_stages`` default to ``default_block_sizes``.
+    ``head_dim`` and ``page_size`` must be powers of two (Triton tiles), ``block_q * next_pow2(G)``
+    and ``pages_per_block * page_size`` powers of two >= 16 (MMA tiles).
+    """
+    t, num_heads, head_dim = q.shape
+    num_kv_heads, num_pages, page_size, head_dim_k = k_cache.shape
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} differ")
+    if head_dim_k != head_dim:
+        raise ValueError(f"q head_dim {head_dim} != cache head_dim {head_dim_k}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if not _is_pow2(head_dim) or not _is_pow2(page_size):
+        raise ValueError(f"head_dim ({head_dim}) and page_size ({page_size}) must be powers of two")
+    group = num_heads // num_kv_heads
+    group_pad = _next_pow2(group)
+    defaults = default_block_sizes(t, group, head_dim, page_size, k_cache.dtype)
+    block_q = defaults["block_q"] if block_q is None else block_q
+    pages_per_block = defaults["pages_per_block"] if pages_per_block is None else pages_per_block
+    num_warps = defaults["num_warps"] if num_warps is None else num_warps
+    num_stages = defaults["num_stages"] if num_stages is None else num_stages
+    rows = block_q * group_pad
+    block_k = pages_per_block * page_size
+    if not _is_pow2(block_q) or rows < 16:
+        raise ValueError(f"block_q ({block_q}) must be a power of two with block_q * {group_pad} >= 16")
+    if not _is_pow2(pages_per_block) or block_k < 16:
+        raise ValueError(f"pages_per_block ({pages_per_block}) must be a power of two with "
+                         f"pages_per_block * {page_size} >= 16")
+
+    num_seqs, pages_per_seq = md.block_tables.shape
+    num_blocks = max(1, min(t, pl.cdiv(t, block_q) + num_seqs))
+    meta, row_pos, row_tok, row_valid, tok_block, tok_row, tok_valid = _query_blocks(
+        md, block_q=block_q, num_blocks=num_blocks, page_size=page_size, block_k=block_k,
+        pages_per_seq=pages_per_seq, sliding_window=sliding_window)
+
+    # Queries per block: [NB, kv, block_q * G_pad, d], row i * G_pad + g.
+    qg = q.reshape(t, num_kv_heads, group, head_dim)
+    if group_pad != group:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_pad - group), (0, 0)))
+    qb = jnp.where(row_valid[:, :, None, None, None], qg[row_tok], 0)  # [NB, block_q, kv, G_pad, d]
+    qb = qb.transpose(0, 2, 1, 3, 4).reshape(num_blocks, num_kv_heads, rows, head_dim)
+    pos_rows = jnp.repeat(row_pos, group_pad, axis=1)  # [NB, rows]
+    # Room for a key block that starts at any page of the table.
+    block_tables = jnp.pad(md.block_tables.astype(jnp.int32), ((0, 0), (0, pages_per_block)))
+
+    inputs = [meta, block_tables, pos_rows, qb.astype(k_cache.dtype), k_cache, v_cache]
+    in_specs = [
+        pl.BlockSpec((None, _META), lambda h, b: (b, 0)),
+        pl.BlockSpec(block_tables.shape, lambda h, b: (0, 0)),
+        pl.BlockSpec((None, rows), lambda h, b: (b, 0)),
+        pl.BlockSpec((None, None, rows, head_dim), lambda h, b: (b, h, 0, 0)),
+        pl.BlockSpec((None, num_pages, page_size, head_dim), lambda h, b: (h, 0, 0, 0)),
+        pl.BlockSpec((None, num_pages, page_size, head_dim), lambda h, b: (h, 0, 0, 0)),
+    ]
+    if sinks is not None:
+        s = sinks.astype(jnp.float32).reshape(num_kv_heads, group) * _LOG2E
+        if group_pad != group:
+            s = jnp.pad(s, ((0, 0), (0, group_pad - group)))
+        inputs.append(jnp.tile(s, (1, block_q)))  # [kv, rows], row i * G_pad + g -> head g
+        in_specs.append(pl.BlockSpec((None, rows), lambda h, b: (h, 0)))
+
+    precision = lax.Precision.HIGHEST if jnp.dtype(k_cache.dtype) == jnp.float32 else None
+    kernel = functools.partial(
+        _prefill_kernel, page_size=page_size, pages_per_block=pages_per_block,
+        scale=float(scale), sliding_window=sliding_window or None, logit_softcap=logit_softcap or None,
+        has_sinks=sinks is not None, precision=precision)
+    out = pl.pallas_call(
+        kernel,
+        grid=(num_kv_heads, num_blocks),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda h, b: (b, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((num_blocks, num_kv_heads, rows, head_dim), q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"ragged_paged_prefill_{block_q=}_{pages_per_block=}",
+    )(*inputs)
+
+    out = out.reshape(num_blocks, num_kv_heads, block_q, group_pad, head_dim)[tok_block, :, tok_row]
+    out = out[:, :, :group].reshape(t, num_heads, head_dim)  # [T, kv, G_pad, d] -> [T, heads, d]
+    return jnp.where(tok_valid[:, None, None], out, jnp.zeros((), out.dtype))
+
+
+__all__ = ["default_block_sizes", "ragged_paged_attention"]

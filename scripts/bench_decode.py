@@ -1,0 +1,152 @@
+"""Whole-model decode on the GPU through the engine's decode loop, next to its roofline and HF.
+
+A Llama-3-8B-shaped model with random bf16 weights (32 layers, hidden 4096, 32/8 heads, vocab 128256)
+decodes ``--steps`` tokens per device call at each (batch, context). The roofline of one step is the
+bytes it must read (all weights + every sequence's KV cache) over the copy bandwidth measured in the
+same run. HF transformers (PyTorch, eager, dynamic cache) runs the same shapes in a subprocess.
+
+    PYTHONPATH=. python3 scripts/bench_decode.py                  # writes bench_decode.json to $OUT (or .)
+    PYTHONPATH=. python3 scripts/bench_decode.py --layers 4       # a quicker, shallower model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import copy_bandwidth, environment, write_json  # noqa: E402
+
+
+def llama3_8b_config(layers: int) -> dict:
+    return dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
+                intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
+                head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5, hidden_act="silu",
+                tie_word_embeddings=False, rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
+                low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192), dtype="bfloat16")
+
+
+def bench_jax(args, bandwidth):
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.engine.aot import DECODE, CompileKey
+    from jaxinfer.engine.config import EngineConfig, bucket_for
+    from jaxinfer.engine.engine import Engine
+    from jaxinfer.engine.request import Request
+    from jaxinfer.engine.sampling import SamplingParams
+    from jaxinfer.loader import LoadedModel
+    from jaxinfer.registry import ModelRegistry
+    from jaxinfer.sharding import make_mesh
+    from jaxinfer.weights import init_params
+
+    config = ModelConfig.from_dict(llama3_8b_config(args.layers))
+    model_cls = ModelRegistry.resolve(config.architecture)
+    params = init_params(model_cls, config, seed=0, dtype=jnp.bfloat16)
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    model = LoadedModel("<random>", config, model_cls, model_cls(config, jnp.bfloat16), params, make_mesh(), jnp.bfloat16)
+    max_context = max(args.contexts)
+    engine_config = EngineConfig(max_model_len=max_context + args.steps + 16, max_num_seqs=max(args.batches),
+                                 max_num_batched_tokens=max(args.batches), decode_steps=args.steps, warmup=False,
+                                 show_progress=False, max_logprobs=0)
+    engine = Engine(model, engine_config)
+    kv_bytes_per_token = engine.layout.bytes_per_page // engine.layout.page_size
+    rows = []
+    greedy = SamplingParams(temperature=0, max_tokens=args.steps + 1, ignore_eos=True)
+    for context in args.contexts:
+        for batch in args.batches:
+            if batch * (context + args.steps) > engine.layout.num_pages * engine.layout.page_size:
+                continue
+            # Requests whose cache is taken as already filled (the KV pages hold whatever is there):
+            # decode cost does not depend on the values.
+            requests = []
+            for i in range(batch):
+                r = Request(i, [1] * context, greedy, seed=i, stop_ids=(), max_output_tokens=args.steps + 1)
+                r.output_token_ids = [1]
+                r.num_computed = context
+                r.pages = engine.scheduler.allocator.allocate(-(-(context + args.steps) // engine.layout.page_size))
+                requests.append(r)
+            grid = engine.grid
+            num_seqs = bucket_for(batch, grid.seq_buckets)
+            key = CompileKey(DECODE, num_seqs, num_seqs, bucket_for(len(requests[0].pages), grid.page_buckets))
+            engine.runner.compile(key)
+            engine.runner.run_decode(key, requests)  # warm
+            times = []
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                tokens, _ = engine.runner.run_decode(key, requests)
+                times.append(time.perf_counter() - start)
+            assert (tokens >= 0).all()
+            step = float(np.median(times)) / args.steps
+            read_bytes = weight_bytes + batch * (context + args.steps / 2) * kv_bytes_per_token
+            roofline = read_bytes / bandwidth
+            rows.append({"batch": batch, "context": context, "ms_per_step": step * 1e3, "tok_per_s": batch / step,
+                         "roofline_ms": roofline * 1e3, "x_roofline": step / roofline})
+            print(rows[-1], flush=True)
+            for r in requests:
+                engine.scheduler.allocator.free(r.pages)
+    return {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes_per_token, "rows": rows}
+
+
+def bench_hf(layers, batches, context, new_tokens):
+    import torch
+    import transformers
+
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{
+            k: v for k, v in llama3_8b_config(layers).items() if k not in ("architectures", "model_type")})).eval()
+    rows = []
+    for batch in batches:
+        ids = torch.randint(0, 128256, (batch, context), device="cuda")
+
+        def run(n):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            with torch.no_grad():
+                model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            torch.cuda.synchronize()
+            return time.perf_counter() - start
+
+        run(2)
+        step = (run(new_tokens) - run(1)) / (new_tokens - 1)
+        rows.append({"batch": batch, "context": context, "ms_per_step": step * 1e3, "tok_per_s": batch / step})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--hf-batches", type=int, nargs="*", default=[1, 32])
+    parser.add_argument("--hf-context", type=int, default=512)
+    parser.add_argument("--hf-only", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.hf_only:
+        print(json.dumps(bench_hf(args.layers, args.hf_batches, args.hf_context, args.steps)))
+        return
+    result = {"environment": environment(), "layers": args.layers, "steps_per_call": args.steps}
+    if args.hf_batches:
+        # PyTorch first, in its own process, so the two frameworks never share the GPU's memory.
+        cmd = [sys.executable, __file__, "--hf-only", "--layers", str(args.layers), "--hf-context",
+               str(args.hf_context), "--steps", str(args.steps), "--hf-batches", *map(str, args.hf_batches)]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        result["hf"] = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {"error": out.stderr[-2000:]}
+        print("hf", result["hf"], flush=True)
+    result["copy_bandwidth_TBps"] = copy_bandwidth() / 1e12
+    result["jaxinfer"] = bench_jax(args, result["copy_bandwidth_TBps"] * 1e12)
+    print("wrote", write_json("bench_decode.json", result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Timing and ceilings shared by the GPU scripts: measured copy bandwidth and matmul rate, and a
+timer that runs a jitted function many times on the device without host dispatch in the loop."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+
+def device_time(fn, *args, iters: int = 50, repeats: int = 5) -> float:
+    """Median seconds per call of ``fn(*args)``.
+
+    The calls run inside one jitted ``fori_loop``; each iteration perturbs the first argument by a
+    carried zero (``0 * previous output``, which XLA does not fold for floats) so nothing can be
+    hoisted out of the loop.
+    """
+
+    def loop(*args):
+        def body(_, carry):
+            out = fn(args[0] + carry.astype(args[0].dtype), *args[1:])
+            first = jax.tree.leaves(out)[0]
+            return (first.reshape(-1)[0] * 0).astype(jnp.float32)
+
+        return jax.lax.fori_loop(0, iters, body, jnp.float32(0))
+
+    run = jax.jit(loop)
+    jax.block_until_ready(run(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(run(*args))
+        times.append((time.perf_counter() - start) / iters)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of ``a * 2`` over 4 GiB of float32, reads and writes counted."""
+    a = jnp.ones((1024, 1024, 1024), jnp.float32)
+    seconds = device_time(lambda x: x * 2, a, iters=10)
+    return 2 * a.size * 4 / seconds
+
+
+def matmul_rate() -> float:
+    """FLOP/s of a bf16 8192^3 matmul."""
+    a = jnp.ones((8192, 8192), jnp.bfloat16)
+    seconds = device_time(lambda x: x @ x, a, iters=10)
+    return 2 * 8192**3 / seconds
+
+
+def environment() -> dict:
+    device = jax.devices()[0]
+    return {"device": device.device_kind, "platform": device.platform, "jax": jax.__version__,
+            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def write_json(name: str, payload: dict) -> str:
+    directory = os.environ.get("OUT") or os.environ.get("JAXINFER_BENCH_DIR") or "."
+    path = os.path.join(directory, name)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+    return path

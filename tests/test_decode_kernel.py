@@ -1,0 +1,63 @@
+"""The Pallas paged decode kernel against the reference, in Pallas interpret mode on CPU.
+
+The same comparison at realistic shapes on the GPU is in scripts/gpu_check.py.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.kernels.attention import reference
+from jaxinfer.kernels.attention.decode_pallas import default_blocking, paged_decode_attention
+
+
+def _case(num_seqs, heads, kv_heads, head_dim, page_size, pages_per_seq, lengths, dtype, seed=0):
+    rng = np.random.RandomState(seed)
+    num_pages = num_seqs * pages_per_seq + 3
+    k = rng.randn(kv_heads, num_pages, page_size, head_dim)
+    v = rng.randn(kv_heads, num_pages, page_size, head_dim)
+    q = rng.randn(num_seqs, heads, head_dim)
+    tables = rng.permutation(num_pages)[: num_seqs * pages_per_seq].reshape(num_seqs, pages_per_seq)
+    cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
+    return cast(q), cast(k), cast(v), jnp.asarray(tables, jnp.int32), jnp.asarray(lengths, jnp.int32)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, page_size", [
+    (8, 2, 64, 16),    # GQA
+    (4, 1, 128, 32),   # MQA
+    (2, 2, 256, 16),   # MHA, large heads
+    (8, 4, 64, 128),   # large pages
+])
+@pytest.mark.parametrize("options", ["plain", "window", "softcap", "sinks"])
+def test_matches_reference(heads, kv_heads, head_dim, page_size, options):
+    pages_per_seq = max(2, 256 // page_size)
+    max_len = pages_per_seq * page_size
+    lengths = [0, 1, page_size + 3, max_len]  # 0: a padding row
+    q, k, v, tables, lens = _case(4, heads, kv_heads, head_dim, page_size, pages_per_seq, lengths, jnp.float32)
+    kwargs = dict(scale=head_dim**-0.5)
+    if options == "window":
+        kwargs["sliding_window"] = page_size + 5
+    if options == "softcap":
+        kwargs["logit_softcap"] = 2.0
+    if options == "sinks":
+        kwargs["sinks"] = jnp.asarray(np.random.RandomState(1).randn(heads), jnp.float32)
+    ref = reference.paged_decode_attention(q, k, v, tables, lens, **kwargs)
+    out = paged_decode_attention(q, k, v, tables, lens, interpret=True, pages_per_block=1, num_splits=2, **kwargs)
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5)
+
+
+def test_bfloat16_and_default_blocking():
+    q, k, v, tables, lens = _case(3, 8, 2, 64, 16, 8, [5, 77, 128], jnp.bfloat16, seed=2)
+    ref = reference.paged_decode_attention(q, k, v, tables, lens, scale=0.125)
+    out = paged_decode_attention(q, k, v, tables, lens, scale=0.125, interpret=True)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=3e-2)
+
+
+def test_default_blocking_fills_the_gpu():
+    # One sequence with a long context is split across many programs; many sequences are not.
+    assert default_blocking(1, 8, 256, 16) == (8, 32)
+    assert default_blocking(128, 8, 128, 16) == (8, 1)
