@@ -54,7 +54,7 @@ def bench_jax(args, bandwidth):
     max_context = max(args.contexts)
     engine_config = EngineConfig(max_model_len=max_context + args.steps + 16, max_num_seqs=max(args.batches),
                                  max_num_batched_tokens=max(args.batches), decode_steps=args.steps, warmup=False,
-                                 show_progress=False, max_logprobs=0)
+                                 show_progress=False, max_logprobs=0, num_pages=args.num_pages)
     engine = Engine(model, engine_config)
     kv_bytes_per_token = engine.layout.bytes_per_page // engine.layout.page_size
     rows = []
@@ -91,7 +91,8 @@ def bench_jax(args, bandwidth):
             print(rows[-1], flush=True)
             for r in requests:
                 engine.scheduler.allocator.free(r.pages)
-    return {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes_per_token, "rows": rows}
+    return {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes_per_token,
+            "num_pages": engine.layout.num_pages, "rows": rows}
 
 
 def bench_hf(layers, batches, context, new_tokens):
@@ -128,6 +129,8 @@ def main():
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--num-pages", type=int, default=None, help="KV pages (default: the engine's)")
+    parser.add_argument("--attention", default=None, help="force an attention implementation (e.g. reference)")
     parser.add_argument("--hf-batches", type=int, nargs="*", default=[1, 32])
     parser.add_argument("--hf-context", type=int, default=512)
     parser.add_argument("--hf-only", action="store_true", help=argparse.SUPPRESS)
@@ -143,6 +146,11 @@ def main():
         out = subprocess.run(cmd, capture_output=True, text=True)
         result["hf"] = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {"error": out.stderr[-2000:]}
         print("hf", result["hf"], flush=True)
+    if args.attention:
+        from jaxinfer.kernels import attention
+
+        attention.set_implementation(args.attention)
+        result["attention"] = args.attention
     result["copy_bandwidth_TBps"] = copy_bandwidth() / 1e12
     result["jaxinfer"] = bench_jax(args, result["copy_bandwidth_TBps"] * 1e12)
     print("wrote", write_json("bench_decode.json", result))

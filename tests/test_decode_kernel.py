@@ -31,7 +31,8 @@ def _case(num_seqs, heads, kv_heads, head_dim, page_size, pages_per_seq, lengths
     (8, 4, 64, 128),   # large pages
 ])
 @pytest.mark.parametrize("options", ["plain", "window", "softcap", "sinks"])
-def test_matches_reference(heads, kv_heads, head_dim, page_size, options):
+@pytest.mark.parametrize("block_tokens", [16, 64])  # a slice of a page, or one or more whole pages
+def test_matches_reference(heads, kv_heads, head_dim, page_size, options, block_tokens):
     pages_per_seq = max(2, 256 // page_size)
     max_len = pages_per_seq * page_size
     lengths = [0, 1, page_size + 3, max_len]  # 0: a padding row
@@ -44,7 +45,8 @@ def test_matches_reference(heads, kv_heads, head_dim, page_size, options):
     if options == "sinks":
         kwargs["sinks"] = jnp.asarray(np.random.RandomState(1).randn(heads), jnp.float32)
     ref = reference.paged_decode_attention(q, k, v, tables, lens, **kwargs)
-    out = paged_decode_attention(q, k, v, tables, lens, interpret=True, pages_per_block=1, num_splits=2, **kwargs)
+    out = paged_decode_attention(q, k, v, tables, lens, interpret=True, block_tokens=block_tokens, num_splits=2,
+                                 **kwargs)
     assert np.isfinite(np.asarray(out)).all()
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5)
 
@@ -58,6 +60,7 @@ def test_bfloat16_and_default_blocking():
 
 
 def test_default_blocking_fills_the_gpu():
-    # One sequence with a long context is split across many programs; many sequences are not.
-    assert default_blocking(1, 8, 256, 16) == (8, 32)
-    assert default_blocking(128, 8, 128, 16) == (8, 1)
+    # ~32 KiB K blocks; one long sequence is split across many programs, many sequences are not.
+    assert default_blocking(1, 8, 256, 16, 128, 2) == (128, 32)
+    assert default_blocking(128, 8, 128, 16, 128, 2) == (128, 1)
+    assert default_blocking(4, 1, 16, 128, 256, 4) == (32, 64)

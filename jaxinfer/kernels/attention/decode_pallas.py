@@ -6,6 +6,9 @@ sequence's pages ``pages_per_block`` at a time through the block table, and keep
 in float32. Splitting the KV length over programs keeps the GPU busy when there are few sequences;
 the partial results (``o``, row max ``m``, row sum ``l``) are merged in a small jnp epilogue, which
 also adds the attention-sink logits. Pages a sliding window has left behind are skipped, not masked.
+
+A KV block is ``block_tokens`` tokens (about 32 KiB of K): several small pages gathered through the
+block table, or a slice of one large page.
 """
 
 from __future__ import annotations
@@ -27,10 +30,9 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, o_ref, m_ref, l_ref, *, scale, page_size, pages_per_block,
+def _kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, o_ref, m_ref, l_ref, *, scale, page_size, block_tokens,
             blocks_per_split, sliding_window, logit_softcap):
     split = pl.program_id(2)
-    block_tokens = pages_per_block * page_size
     length = len_ref[0]
     lo_block = split * blocks_per_split
     hi_block = jnp.minimum(lo_block + blocks_per_split, pl.cdiv(length, block_tokens))
@@ -40,11 +42,19 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, o_ref, m_ref, l_ref, *, scale,
     q = q_ref[...]
     rows, head_dim = q.shape
 
+    def load_block(ref, block):
+        if block_tokens >= page_size:  # gather whole pages
+            pages_per_block = block_tokens // page_size
+            pages = bt_ref[pl.ds(block * pages_per_block, pages_per_block)]
+            return ref[pages].reshape(block_tokens, head_dim)
+        blocks_per_page = page_size // block_tokens  # a slice of one page
+        page = bt_ref[block // blocks_per_page]
+        return ref[page, pl.ds((block % blocks_per_page) * block_tokens, block_tokens), :]
+
     def body(block, carry):
         o, m, l = carry
-        pages = bt_ref[pl.ds(block * pages_per_block, pages_per_block)]
-        k = k_ref[pages].reshape(block_tokens, head_dim)
-        v = v_ref[pages].reshape(block_tokens, head_dim)
+        k = load_block(k_ref, block)
+        v = load_block(v_ref, block)
         s = plgpu.dot(q, k, trans_b=True) * scale  # [rows, block_tokens] float32
         if logit_softcap:
             s = logit_softcap * jnp.tanh(s / logit_softcap)
@@ -68,38 +78,42 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, o_ref, m_ref, l_ref, *, scale,
     l_ref[...] = l
 
 
-def default_blocking(num_seqs: int, num_kv_heads: int, pages_per_seq: int, page_size: int):
-    """(pages_per_block, num_splits): ~128-token KV blocks; enough splits to fill the GPU."""
-    pages_per_block = max(1, min(pages_per_seq, 128 // page_size))
-    num_blocks = pages_per_seq // pages_per_block
+def default_blocking(num_seqs: int, num_kv_heads: int, pages_per_seq: int, page_size: int, head_dim: int,
+                     itemsize: int):
+    """(block_tokens, num_splits): ~32 KiB K blocks (16..128 tokens); enough splits to fill the GPU."""
+    block_tokens = min(128, max(16, _next_pow2(32768 // (head_dim * itemsize) + 1) // 2))
+    block_tokens = min(block_tokens, _next_pow2(pages_per_seq * page_size))
+    num_blocks = max(1, pages_per_seq * page_size // block_tokens)
     wanted = _next_pow2(-(-_TARGET_PROGRAMS // (num_seqs * num_kv_heads)))
-    return pages_per_block, math.gcd(num_blocks, wanted)
+    return block_tokens, math.gcd(num_blocks, wanted)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "logit_softcap", "interpret",
-                                             "pages_per_block", "num_splits", "num_warps", "num_stages"))
+                                             "block_tokens", "num_splits", "num_warps", "num_stages"))
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale, sliding_window=None,
-                           logit_softcap=None, sinks=None, interpret=False, pages_per_block=None, num_splits=None,
+                           logit_softcap=None, sinks=None, interpret=False, block_tokens=None, num_splits=None,
                            num_warps=4, num_stages=2):
     """q [S, heads, d]; caches [kv_heads, num_pages, page_size, d]; block_tables [S, P]; seq_lens [S]."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_cache.shape
     group = num_heads // num_kv_heads
     rows = max(16, _next_pow2(group))
-    auto_ppb, auto_splits = default_blocking(num_seqs, num_kv_heads, block_tables.shape[1], page_size)
-    pages_per_block = pages_per_block or auto_ppb
-    # The block table is read in whole blocks: pad it to a multiple of the block (padding is masked).
+    auto_tokens, auto_splits = default_blocking(num_seqs, num_kv_heads, block_tables.shape[1], page_size, head_dim,
+                                                q.dtype.itemsize)
+    block_tokens = block_tokens or auto_tokens
+    # Whole blocks are read from the block table: pad it to a multiple of a block (padding is masked).
+    pages_per_block = max(1, block_tokens // page_size)
     pad = -block_tables.shape[1] % pages_per_block
     if pad:
         block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)))
-    num_blocks = block_tables.shape[1] // pages_per_block
+    num_blocks = block_tables.shape[1] * page_size // block_tokens
     num_splits = math.gcd(num_blocks, num_splits or auto_splits)
     blocks_per_split = num_blocks // num_splits
 
     q_rows = q.reshape(num_seqs, num_kv_heads, group, head_dim)
     if rows != group:
         q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
-    kernel = functools.partial(_kernel, scale=scale, page_size=page_size, pages_per_block=pages_per_block,
+    kernel = functools.partial(_kernel, scale=scale, page_size=page_size, block_tokens=block_tokens,
                                blocks_per_split=blocks_per_split, sliding_window=sliding_window,
                                logit_softcap=logit_softcap)
     cache_spec = pl.BlockSpec((None,) + k_cache.shape[1:], lambda s, h, k: (h, 0, 0, 0))

@@ -7,9 +7,11 @@ run, so at most ``cdiv(T, block_q) + S`` blocks in all, a static bound) and gath
 into ``[num_blocks, kv_heads, block_q * G, head_dim]``: all ``G = heads // kv_heads`` query heads of
 one KV head share a program, row ``i * G + g`` being token ``i`` of the block and head ``g`` of the
 group (``G`` padded to a power of two). Each program of the ``(kv_heads, num_blocks)`` grid walks the
-block's keys ``pages_per_block`` pages at a time through the block table (online softmax in
-float32), from the first page its first query can see (sliding window) to the last key its last
-query can see (causal). Key blocks that every row of the query block sees whole skip the mask.
+block's keys ``block_k`` at a time, gathering ``block_k / page_size`` pages through the block table
+(online softmax in float32), from the first page its first query can see (sliding window) to the
+last key its last query can see (causal). Key blocks that every row of the query block sees whole
+skip the mask. Pages larger than ``block_k`` are read as virtual pages of ``block_k`` rows (a free
+reshape of the cache, and a block table of virtual pages), so every page size works.
 Programs are ordered with the last query blocks (the longest key ranges) first. The wrapper gathers
 the per-block output back to ``[T, heads, head_dim]``; padding tokens get zeros.
 
@@ -45,28 +47,25 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
 
-def default_block_sizes(num_tokens: int, group: int, head_dim: int, page_size: int, dtype) -> dict:
-    """Block sizes and launch parameters for one call (tuned for Hopper; all that the kernel needs).
+def default_block_sizes(num_tokens: int, group: int, head_dim: int, dtype) -> dict:
+    """Block sizes and launch parameters for one call (aimed at Hopper).
 
-    ``block_q * next_pow2(group)`` query rows per program (128; 64 at head_dim 256), keys in blocks
-    of ``pages_per_block * page_size`` (64 or one page when pages are larger; 32 at head_dim 256),
-    as many pipeline stages (at most 3) as ~160 KiB of shared memory holds.
+    ``block_q * next_pow2(group)`` query rows per program (128; 64 at head_dim 256; never more query
+    tokens than the step has, but >= 16 rows for the MMA), ``block_k`` keys per key block (64; 32 at
+    head_dim 256), as many pipeline stages (at most 3) as ~160 KiB of shared memory holds.
     """
     group_pad = _next_pow2(group)
     rows = 64 if head_dim > 128 else 128
     block_k = 32 if head_dim > 128 else 64
     block_q = max(1, rows // group_pad)
-    # Small steps: no more query rows than the step has tokens (but >= 16 rows for the MMA).
     block_q = max(min(block_q, _next_pow2(num_tokens)), max(1, 16 // group_pad))
-    pages_per_block = max(1, block_k // page_size, -(-16 // page_size))
-    block_k = pages_per_block * page_size
     rows = block_q * group_pad
     itemsize = jnp.dtype(dtype).itemsize
     stage_bytes = 2 * block_k * head_dim * itemsize  # one K and one V tile
     q_bytes = rows * head_dim * itemsize
     num_stages = int(min(3, max(1, (160 * 1024 - q_bytes) // stage_bytes)))
     num_warps = 4 if (head_dim <= 64 and rows * block_k <= 128 * 64) else 8
-    return dict(block_q=block_q, pages_per_block=pages_per_block, num_warps=num_warps, num_stages=num_stages)
+    return dict(block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
 
 
 def _query_blocks(md: AttentionMetadata, *, block_q: int, num_blocks: int, page_size: int, block_k: int,
@@ -76,7 +75,8 @@ def _query_blocks(md: AttentionMetadata, *, block_q: int, num_blocks: int, page_
     Returns ``meta`` [NB, 8] int32 (seq, first page, end of the leading masked key blocks, end of the
     unmasked ones, number of key blocks, end of the key range, 0, 0), ``row_pos`` [NB, block_q] (the
     position of each row's token, -1 for rows past the block's tokens), ``row_tok`` [NB, block_q]
-    (its token index, clipped), and per token: ``tok_block``, ``tok_row``, ``tok_valid``.
+    (its token index, clipped), ``row_valid`` [NB, block_q], and per token [T]: ``tok_block``,
+    ``tok_row`` (where its output lies) and ``tok_valid`` (a real token).
     Block ``b`` of the token order is stored at ``NB - 1 - b`` so the grid starts with the last (the
     longest) blocks.
     """
@@ -194,18 +194,19 @@ def _prefill_kernel(meta_ref, bt_ref, pos_ref, q_ref, k_ref, v_ref, *rest, page_
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "logit_softcap", "interpret", "block_q",
-                                             "pages_per_block", "num_warps", "num_stages"))
+                                             "block_k", "pages_per_block", "num_warps", "num_stages"))
 def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale, sliding_window=None,
-                           logit_softcap=None, sinks=None, interpret=False, block_q=None, pages_per_block=None,
-                           num_warps=None, num_stages=None):
+                           logit_softcap=None, sinks=None, interpret=False, block_q=None, block_k=None,
+                           pages_per_block=None, num_warps=None, num_stages=None):
     """Queries [T, heads, d] from several sequences (any number of new tokens each) over the paged cache.
 
     ``k_cache``/``v_cache``: [kv_heads, num_pages, page_size, d], already holding this step's K/V.
     Same semantics as ``reference.ragged_paged_attention``; padding tokens (``slot_mapping < 0``)
-    give zeros. ``block_q`` (query tokens per program, a power of two), ``pages_per_block`` (pages per
-    key block) and the Triton ``num_warps``/``num_stages`` default to ``default_block_sizes``.
-    ``head_dim`` and ``page_size`` must be powers of two (Triton tiles), ``block_q * next_pow2(G)``
-    and ``pages_per_block * page_size`` powers of two >= 16 (MMA tiles).
+    give zeros. Tuning (``None``: ``default_block_sizes``): ``block_q`` query tokens per program (a
+    power of two, ``block_q * next_pow2(G) >= 16``), ``block_k`` keys per key block (a power of two
+    >= 16; or give ``pages_per_block`` instead, ``block_k = pages_per_block * page_size``), the
+    Triton ``num_warps``/``num_stages``. ``head_dim`` and ``page_size`` must be powers of two.
+    Tokens of one sequence must be one contiguous run (the engine's packing).
     """
     t, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, head_dim_k = k_cache.shape
@@ -219,20 +220,38 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale,
         raise ValueError(f"head_dim ({head_dim}) and page_size ({page_size}) must be powers of two")
     group = num_heads // num_kv_heads
     group_pad = _next_pow2(group)
-    defaults = default_block_sizes(t, group, head_dim, page_size, k_cache.dtype)
+    defaults = default_block_sizes(t, group, head_dim, k_cache.dtype)
+    if pages_per_block is not None:
+        if block_k is not None:
+            raise ValueError("give block_k or pages_per_block, not both")
+        if not _is_pow2(pages_per_block):
+            raise ValueError(f"pages_per_block ({pages_per_block}) must be a power of two")
+        block_k = pages_per_block * page_size
     block_q = defaults["block_q"] if block_q is None else block_q
-    pages_per_block = defaults["pages_per_block"] if pages_per_block is None else pages_per_block
+    block_k = defaults["block_k"] if block_k is None else block_k
     num_warps = defaults["num_warps"] if num_warps is None else num_warps
     num_stages = defaults["num_stages"] if num_stages is None else num_stages
     rows = block_q * group_pad
-    block_k = pages_per_block * page_size
     if not _is_pow2(block_q) or rows < 16:
         raise ValueError(f"block_q ({block_q}) must be a power of two with block_q * {group_pad} >= 16")
-    if not _is_pow2(pages_per_block) or block_k < 16:
-        raise ValueError(f"pages_per_block ({pages_per_block}) must be a power of two with "
-                         f"pages_per_block * {page_size} >= 16")
+    if not _is_pow2(block_k) or block_k < 16:
+        raise ValueError(f"block_k ({block_k}) must be a power of two >= 16")
 
+    # Pages larger than a key block are read as `split` virtual pages of `block_k` rows each: the
+    # cache reshape is free (contiguous) and the block table lists virtual pages.
     num_seqs, pages_per_seq = md.block_tables.shape
+    block_tables = md.block_tables.astype(jnp.int32)
+    split = max(1, page_size // block_k)
+    if split > 1:
+        page_size //= split
+        num_pages *= split
+        pages_per_seq *= split
+        k_cache = k_cache.reshape(num_kv_heads, num_pages, page_size, head_dim)
+        v_cache = v_cache.reshape(num_kv_heads, num_pages, page_size, head_dim)
+        block_tables = (block_tables[:, :, None] * split + jnp.arange(split, dtype=jnp.int32)).reshape(
+            num_seqs, pages_per_seq)
+    pages_per_block = block_k // page_size
+
     num_blocks = max(1, min(t, pl.cdiv(t, block_q) + num_seqs))
     meta, row_pos, row_tok, row_valid, tok_block, tok_row, tok_valid = _query_blocks(
         md, block_q=block_q, num_blocks=num_blocks, page_size=page_size, block_k=block_k,
@@ -246,7 +265,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale,
     qb = qb.transpose(0, 2, 1, 3, 4).reshape(num_blocks, num_kv_heads, rows, head_dim)
     pos_rows = jnp.repeat(row_pos, group_pad, axis=1)  # [NB, rows]
     # Room for a key block that starts at any page of the table.
-    block_tables = jnp.pad(md.block_tables.astype(jnp.int32), ((0, 0), (0, pages_per_block)))
+    block_tables = jnp.pad(block_tables, ((0, 0), (0, pages_per_block)))
 
     inputs = [meta, block_tables, pos_rows, qb.astype(k_cache.dtype), k_cache, v_cache]
     in_specs = [
@@ -277,7 +296,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale,
         out_shape=jax.ShapeDtypeStruct((num_blocks, num_kv_heads, rows, head_dim), q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"ragged_paged_prefill_{block_q=}_{pages_per_block=}",
+        name=f"ragged_paged_prefill_{block_q=}_{block_k=}",
     )(*inputs)
 
     out = out.reshape(num_blocks, num_kv_heads, block_q, group_pad, head_dim)[tok_block, :, tok_row]
