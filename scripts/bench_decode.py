@@ -34,9 +34,9 @@ def llama3_8b_config(layers: int) -> dict:
                 low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192), dtype="bfloat16")
 
 
-def bench_jax(args, bandwidth):
+def bench_jax(args, bandwidth, save):
     from jaxinfer.config import ModelConfig
-    from jaxinfer.engine.aot import DECODE, CompileKey
+    from jaxinfer.engine.aot import DECODE, MIXED, CompileKey
     from jaxinfer.engine.config import EngineConfig, bucket_for
     from jaxinfer.engine.engine import Engine
     from jaxinfer.engine.request import Request
@@ -51,10 +51,12 @@ def bench_jax(args, bandwidth):
     params = init_params(model_cls, config, seed=0, dtype=jnp.bfloat16)
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     model = LoadedModel("<random>", config, model_cls, model_cls(config, jnp.bfloat16), params, make_mesh(), jnp.bfloat16)
-    max_context = max(args.contexts)
-    engine_config = EngineConfig(max_model_len=max_context + args.steps + 16, max_num_seqs=max(args.batches),
-                                 max_num_batched_tokens=max(args.batches), decode_steps=args.steps, warmup=False,
-                                 show_progress=False, max_logprobs=0, num_pages=args.num_pages)
+    prefill_tokens = max([b * n for b, n in args.prefill] or [0])
+    max_len = max([max(args.contexts) + args.steps] + [n for _, n in args.prefill]) + 16
+    max_seqs = max(args.batches + [b for b, _ in args.prefill])
+    engine_config = EngineConfig(max_model_len=max_len, max_num_seqs=max_seqs,
+                                 max_num_batched_tokens=max(max_seqs, prefill_tokens), decode_steps=args.steps,
+                                 warmup=False, show_progress=False, max_logprobs=0, num_pages=args.num_pages)
     engine = Engine(model, engine_config)
     kv_bytes_per_token = engine.layout.bytes_per_page // engine.layout.page_size
     rows = []
@@ -89,10 +91,38 @@ def bench_jax(args, bandwidth):
             rows.append({"batch": batch, "context": context, "ms_per_step": step * 1e3, "tok_per_s": batch / step,
                          "roofline_ms": roofline * 1e3, "x_roofline": step / roofline})
             print(rows[-1], flush=True)
+            save({"rows": rows})
             for r in requests:
                 engine.scheduler.allocator.free(r.pages)
+    prefill_rows = []
+    for batch, length in args.prefill:
+        requests = []
+        for i in range(batch):
+            r = Request(i, list(np.random.RandomState(i).randint(0, config.vocab_size, length)), greedy, seed=i,
+                        stop_ids=(), max_output_tokens=1)
+            r.pages = engine.scheduler.allocator.allocate(-(-length // engine.layout.page_size))
+            requests.append(r)
+        items = [(r, length) for r in requests]
+        key = CompileKey(MIXED, bucket_for(batch * length, engine.grid.token_buckets), engine_config.max_num_seqs,
+                         engine_config.max_pages_per_seq)
+        engine.runner.compile(key)
+        engine.runner.run_mixed(key, items)
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            engine.runner.run_mixed(key, items)
+            times.append(time.perf_counter() - start)
+        seconds = float(np.median(times))
+        matmul_flops = 2 * (weight_bytes / 2 - config.vocab_size * config.hidden_size) * batch * length
+        attention_flops = 4 * batch * length * length / 2 * config.num_attention_heads * config.head_dim * args.layers
+        prefill_rows.append({"batch": batch, "prompt": length, "seconds": seconds, "tok_per_s": batch * length / seconds,
+                             "tflops": (matmul_flops + attention_flops) / seconds / 1e12})
+        print(prefill_rows[-1], flush=True)
+        save({"rows": rows, "prefill": prefill_rows})
+        for r in requests:
+            engine.scheduler.allocator.free(r.pages)
     return {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes_per_token,
-            "num_pages": engine.layout.num_pages, "rows": rows}
+            "num_pages": engine.layout.num_pages, "rows": rows, "prefill": prefill_rows}
 
 
 def bench_hf(layers, batches, context, new_tokens):
@@ -130,11 +160,13 @@ def main():
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--num-pages", type=int, default=None, help="KV pages (default: the engine's)")
+    parser.add_argument("--prefill", nargs="*", default=["1x8192", "16x1024"], help="prefill shapes, BATCHxLENGTH")
     parser.add_argument("--attention", default=None, help="force an attention implementation (e.g. reference)")
     parser.add_argument("--hf-batches", type=int, nargs="*", default=[1, 32])
     parser.add_argument("--hf-context", type=int, default=512)
     parser.add_argument("--hf-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.prefill = [tuple(int(x) for x in shape.split("x")) for shape in args.prefill]
     if args.hf_only:
         print(json.dumps(bench_hf(args.layers, args.hf_batches, args.hf_context, args.steps)))
         return
@@ -152,7 +184,11 @@ def main():
         attention.set_implementation(args.attention)
         result["attention"] = args.attention
     result["copy_bandwidth_TBps"] = copy_bandwidth() / 1e12
-    result["jaxinfer"] = bench_jax(args, result["copy_bandwidth_TBps"] * 1e12)
+    def save(partial):
+        result["jaxinfer"] = partial
+        write_json("bench_decode.json", result)
+
+    result["jaxinfer"] = bench_jax(args, result["copy_bandwidth_TBps"] * 1e12, save)
     print("wrote", write_json("bench_decode.json", result))
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax
 
-from jaxinfer.kernels.attention import decode_pallas, reference
+from jaxinfer.kernels.attention import decode_pallas, prefill_pallas, reference
 
 _IMPLEMENTATIONS = {
     "reference": {
@@ -21,6 +21,7 @@ _IMPLEMENTATIONS = {
     "pallas": {
         # The cache write stays an XLA scatter: with the caches donated it updates in place.
         "paged_decode_attention": decode_pallas.paged_decode_attention,
+        "ragged_paged_attention": prefill_pallas.ragged_paged_attention,
     },
 }
 _PLATFORM_DEFAULT = {"cpu": "reference", "gpu": "pallas", "cuda": "pallas", "rocm": "reference", "tpu": "reference"}
