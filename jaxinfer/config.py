@@ -55,7 +55,12 @@ class RopeConfig:
         if rope_type not in ROPE_TYPES:
             raise ConfigError(f"rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
         theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-        partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+        partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+        if partial is None and raw.get("rotary_dim"):
+            # Legacy field (MiniMax-M2 checkpoints): rotate the first rotary_dim dims of each head.
+            head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+            partial = raw["rotary_dim"] / head_dim
+        partial = 1.0 if partial is None else partial
         orig = params.get("original_max_position_embeddings")
         if rope_type in ("llama3", "yarn", "longrope"):
             # Phi-3 style configs keep the pretraining length at the top level; it wins (as in HF).
@@ -126,6 +131,14 @@ class ModelConfig:
         """A raw config value (any key of config.json), or ``default`` when absent or null."""
         value = self.extra.get(key)
         return default if value is None else value
+
+    def require(self, *keys: str) -> Any:
+        """The first of ``keys`` that config.json sets (aliases: HF renames some keys between
+        versions); ``ConfigError`` naming them all when none is set."""
+        for key in keys:
+            if self.extra.get(key) is not None:
+                return self.extra[key]
+        raise ConfigError(f"config.json of a {self.model_type} model needs {' or '.join(map(repr, keys))}")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":

@@ -19,6 +19,9 @@ _BUILTIN_MODELS: dict[str, str] = {
     "MistralForCausalLM": _DENSE,
     "Qwen2ForCausalLM": _DENSE,
     "Qwen3ForCausalLM": _DENSE,
+    "Qwen3MoeForCausalLM": "jaxinfer.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "MiniMaxM2ForCausalLM": "jaxinfer.models.minimax_m2:MiniMaxM2ForCausalLM",
+    "GptOssForCausalLM": "jaxinfer.models.gpt_oss:GptOssForCausalLM",
 }
 
 

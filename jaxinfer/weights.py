@@ -90,28 +90,77 @@ def init_params(model_cls, config: ModelConfig, seed: int = 0, dtype=jnp.float32
     return jax.jit(lambda key: model.init(key, *_dummy_inputs(model_cls, config)))(jax.random.PRNGKey(seed))["params"]
 
 
+class Tensor:
+    """A parameter stored as one checkpoint tensor, as is."""
+
+    def __init__(self, name: str):
+        self.names = (name,)
+
+    def shape(self, checkpoint: SafetensorsCheckpoint) -> tuple[int, ...]:
+        return checkpoint.shape(self.names[0])
+
+    def read(self, checkpoint: SafetensorsCheckpoint, index) -> np.ndarray:
+        return checkpoint.read(self.names[0], index)
+
+
+class Stacked:
+    """A parameter whose leading axis gathers one checkpoint tensor each (per-expert MoE weights)."""
+
+    def __init__(self, names: list[str]):
+        self.names = tuple(names)
+
+    def shape(self, checkpoint: SafetensorsCheckpoint) -> tuple[int, ...]:
+        shapes = {checkpoint.shape(n) for n in self.names}
+        if len(shapes) != 1:
+            raise CheckpointError(f"tensors {self.names[0]} ... {self.names[-1]} differ in shape: {sorted(shapes)}")
+        return (len(self.names), *shapes.pop())
+
+    def read(self, checkpoint: SafetensorsCheckpoint, index) -> np.ndarray:
+        index = tuple(index) if index is not None else (slice(None),)
+        rows = range(len(self.names))[index[0]]
+        return np.stack([checkpoint.read(self.names[i], index[1:] or None) for i in rows])
+
+
+class Derived:
+    """A parameter computed from whole checkpoint tensors (a re-layout or a dequantisation).
+
+    ``fn(*arrays)`` returns the parameter; ``shape_fn(*shapes)`` its shape without reading data.
+    """
+
+    def __init__(self, names: list[str], fn, shape_fn):
+        self.names, self.fn, self.shape_fn = tuple(names), fn, shape_fn
+
+    def shape(self, checkpoint: SafetensorsCheckpoint) -> tuple[int, ...]:
+        return tuple(self.shape_fn(*(checkpoint.shape(n) for n in self.names)))
+
+    def read(self, checkpoint: SafetensorsCheckpoint, index) -> np.ndarray:
+        value = self.fn(*(checkpoint.read(n) for n in self.names))
+        return value if index is None else value[index]
+
+
 def _describe(items: list[str], limit: int = 12) -> str:
     shown = ", ".join(items[:limit])
     return shown + (f" ... and {len(items) - limit} more" if len(items) > limit else "")
 
 
 def check_checkpoint(checkpoint: SafetensorsCheckpoint, model_cls, config: ModelConfig, expected) -> dict:
-    """Map checkpoint names to parameter paths; raise ``CheckpointError`` naming every mismatch."""
+    """Match the model's parameters to checkpoint tensors; raise ``CheckpointError`` naming every
+    missing, unexpected and mis-shaped tensor. Returns {param path: source}."""
     ignored = [re.compile(p) for p in model_cls.ignored_checkpoint_keys_for(config)]
-    found: dict[tuple[str, ...], str] = {}
-    unexpected, misshaped = [], []
-    for name in checkpoint.names():
-        if any(p.search(name) for p in ignored):
+    available = set(checkpoint.names())
+    sources = model_cls.checkpoint_sources(config, expected, available)
+    missing, misshaped = [], []
+    for path, source in sources.items():
+        absent = [n for n in source.names if n not in available]
+        if absent:
+            missing.extend(absent)
             continue
-        path = model_cls.checkpoint_name_to_path(name)
-        if path not in expected:
-            unexpected.append(name)
-            continue
-        shape, want = checkpoint.shape(name), tuple(expected[path].shape)
+        shape, want = tuple(source.shape(checkpoint)), tuple(expected[path].shape)
         if shape != want:
-            misshaped.append(f"{name}: checkpoint {list(shape)}, model expects {list(want)}")
-        found[path] = name
-    missing = [model_cls.path_to_checkpoint_name(p) for p in expected if p not in found]
+            what = source.names[0] if len(source.names) == 1 else f"{source.names[0]} (+{len(source.names) - 1} more)"
+            misshaped.append(f"{what}: checkpoint gives {list(shape)}, model expects {list(want)}")
+    used = {n for source in sources.values() for n in source.names}
+    unexpected = sorted(n for n in available - used if not any(p.search(n) for p in ignored))
     problems = []
     if missing:
         problems.append(f"missing tensors: {_describe(sorted(missing))}")
@@ -124,15 +173,14 @@ def check_checkpoint(checkpoint: SafetensorsCheckpoint, model_cls, config: Model
             f"checkpoint {checkpoint.path!r} does not match {config.architecture} as configured by its "
             "config.json; " + "; ".join(problems)
         )
-    return found
+    return sources
 
 
 def load_params(path, model_cls, config: ModelConfig, dtype, mesh, *, progress: bool = False):
     """Check, then stream every tensor into a device array with its ``NamedSharding``."""
     checkpoint = SafetensorsCheckpoint(path)
     expected = expected_params(model_cls, config, dtype)
-    names = check_checkpoint(checkpoint, model_cls, config, expected)
-    np_dtype = np.dtype(jnp.dtype(dtype))
+    sources = check_checkpoint(checkpoint, model_cls, config, expected)
     items = list(expected.items())
     if progress:
         from tqdm.auto import tqdm
@@ -140,9 +188,12 @@ def load_params(path, model_cls, config: ModelConfig, dtype, mesh, *, progress: 
         items = tqdm(items, desc="loading weights", unit="tensor")
     flat = {}
     for param_path, struct in items:
-        name = names[param_path]
+        source = sources[param_path]
         sharding = param_sharding(param_path, struct.shape, mesh)
+        # Each parameter takes the dtype the model declares for it (the serving dtype, or float32 where
+        # a model keeps one in full precision).
         flat[param_path] = jax.make_array_from_callback(
-            struct.shape, sharding, lambda index, name=name: checkpoint.read(name, index).astype(np_dtype)
+            struct.shape, sharding,
+            lambda index, source=source, dtype=np.dtype(struct.dtype): source.read(checkpoint, index).astype(dtype),
         )
     return traverse_util.unflatten_dict(flat)

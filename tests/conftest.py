@@ -23,16 +23,25 @@ def make_hf_checkpoint(path, family: str, seed: int = 0, **overrides):
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "minimax_m2": (transformers.MiniMaxM2Config, transformers.MiniMaxM2ForCausalLM),
+        "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     }
     config_cls, model_cls = classes[family]
     config = config_cls(**{**TINY, **overrides})
     torch.manual_seed(seed)
     model = model_cls(config).eval()
-    # Random init leaves norms at 1 and biases at 0; perturb them so the parity test sees them.
+    # Random init leaves norms at 1, biases and router corrections at 0, and experts tiny; perturb
+    # them so the parity test sees every one of them.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith(".bias"):
+            if name.endswith("norm.weight") or "bias" in name or name.endswith("sinks"):
                 p.add_(0.1 * torch.randn_like(p))
+            if ".experts." in name and p.dim() >= 2:
+                p.normal_(0.0, 0.05)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.add_(0.1 * torch.randn_like(b))
     model.save_pretrained(path)
     return str(path), model
 

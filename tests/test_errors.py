@@ -69,7 +69,7 @@ def test_misshaped_tensor_is_named(checkpoint):
         t["model.layers.0.self_attn.k_proj.weight"] = np.zeros((8, 64), np.float32)
 
     _edit_tensors(checkpoint, edit)
-    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight: checkpoint \[8, 64\], "
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight: checkpoint gives \[8, 64\], "
                                               r"model expects \[32, 64\]"):
         load_model(checkpoint)
 

@@ -22,7 +22,7 @@ from jaxinfer.engine.scheduler import DecodeBatch, MixedBatch, Scheduler
 from jaxinfer.errors import ConfigError, InvalidRequestError
 from jaxinfer.loader import LoadedModel, validate_token_ids
 
-_CPU_DEFAULT_MAX_MODEL_LEN = 8192
+_MAX_MODEL_LEN_CAP = 8192  # default max_model_len: the model's own, capped here
 
 
 def read_eos_token_ids(model: LoadedModel, tokenizer=None) -> tuple[int, ...]:
@@ -58,7 +58,7 @@ class Engine:
     def __init__(self, model: LoadedModel, config: EngineConfig | None = None, *, tokenizer=None):
         config = dataclasses.replace(config) if config is not None else EngineConfig()
         if config.max_model_len is None:
-            config.max_model_len = min(model.config.max_position_embeddings, _CPU_DEFAULT_MAX_MODEL_LEN)
+            config.max_model_len = min(model.config.max_position_embeddings, _MAX_MODEL_LEN_CAP)
         config.validate()
         self.model = model
         self.config = config

@@ -44,16 +44,16 @@ class CausalLM(nn.Module):
         """``ignored_checkpoint_keys`` plus config-dependent ones (e.g. a stored but tied LM head)."""
         return cls.ignored_checkpoint_keys
 
-    @staticmethod
-    def checkpoint_name_to_path(name: str) -> tuple[str, ...]:
-        """``model.layers.3.mlp.up_proj.weight`` -> ``("model", "layers_3", "mlp", "up_proj", "weight")``."""
-        parts: list[str] = []
-        for part in name.split("."):
-            if part.isdigit() and parts:
-                parts[-1] = f"{parts[-1]}_{part}"
-            else:
-                parts.append(part)
-        return tuple(parts)
+    @classmethod
+    def checkpoint_sources(cls, config: ModelConfig, expected: dict, available: set[str]) -> dict:
+        """{parameter path: where its value comes from in the checkpoint} (see ``jaxinfer.weights``).
+
+        By default every parameter is the tensor of the same name; families with stacked experts or
+        re-laid-out weights override this.
+        """
+        from jaxinfer.weights import Tensor
+
+        return {path: Tensor(cls.path_to_checkpoint_name(path)) for path in expected}
 
     @staticmethod
     def path_to_checkpoint_name(path: tuple[str, ...]) -> str:

@@ -13,7 +13,8 @@ from jaxinfer.models.layers.rope import apply_rotary
 
 
 class PagedGQAttention(nn.Module):
-    """q/k/v projections -> optional per-head q/k RMSNorm -> RoPE -> cache write -> attention -> o_proj.
+    """q/k/v projections -> optional q/k RMSNorm -> RoPE -> cache write -> attention (optional sliding
+    window and sinks) -> o_proj.
 
     KV head ``j`` serves query heads ``[j*g, (j+1)*g)`` (HF's ``repeat_kv``), ``g = heads // kv_heads``.
     """
@@ -23,7 +24,9 @@ class PagedGQAttention(nn.Module):
     head_dim: int
     qkv_bias: bool = False
     o_bias: bool = False
-    qk_norm_eps: float | None = None  # per-head q/k RMSNorm before RoPE (Qwen3)
+    qk_norm_eps: float | None = None  # q/k RMSNorm before RoPE
+    qk_norm: str = "head"  # "head": per head, weight [head_dim] (Qwen3); "full": over all heads (MiniMax-M2)
+    sinks: bool = False  # one learned softmax logit per head (GPT-OSS)
     sliding_window: int | None = None
     scale: float | None = None  # default head_dim ** -0.5
     param_dtype: jnp.dtype = jnp.float32
@@ -32,16 +35,22 @@ class PagedGQAttention(nn.Module):
     def __call__(self, x, cos, sin, kv_cache, md: AttentionMetadata):
         t = x.shape[0]
         proj = lambda n, bias, name: Linear(n, bias, self.param_dtype, name=name)  # noqa: E731
-        q = proj(self.num_heads * self.head_dim, self.qkv_bias, "q_proj")(x).reshape(t, self.num_heads, self.head_dim)
-        k = proj(self.num_kv_heads * self.head_dim, self.qkv_bias, "k_proj")(x).reshape(t, self.num_kv_heads, self.head_dim)
+        q = proj(self.num_heads * self.head_dim, self.qkv_bias, "q_proj")(x)
+        k = proj(self.num_kv_heads * self.head_dim, self.qkv_bias, "k_proj")(x)
         v = proj(self.num_kv_heads * self.head_dim, self.qkv_bias, "v_proj")(x).reshape(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm_eps is not None:
-            q = RMSNorm(self.qk_norm_eps, param_dtype=self.param_dtype, name="q_norm")(q)
-            k = RMSNorm(self.qk_norm_eps, param_dtype=self.param_dtype, name="k_norm")(k)
+        norm = lambda name: RMSNorm(self.qk_norm_eps, param_dtype=self.param_dtype, name=name)  # noqa: E731
+        if self.qk_norm_eps is not None and self.qk_norm == "full":
+            q, k = norm("q_norm")(q), norm("k_norm")(k)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm_eps is not None and self.qk_norm == "head":
+            q, k = norm("q_norm")(q), norm("k_norm")(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
         k_cache, v_cache = attention_ops.write_kv_cache(*kv_cache, k, v, md.slot_mapping)
         options = dict(scale=self.scale or self.head_dim**-0.5, sliding_window=self.sliding_window)
+        if self.sinks:
+            options["sinks"] = self.param("sinks", nn.initializers.normal(0.02), (self.num_heads,), self.param_dtype)
         if md.decode:
             out = attention_ops.paged_decode_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, **options)
         else:

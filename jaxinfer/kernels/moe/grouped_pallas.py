@@ -1,0 +1,364 @@
+"""Mixture-of-experts MLP as two grouped GEMMs in Pallas (Triton lowering), same semantics as ``reference.py``.
+
+**Grouping** (plain jnp in the jitted wrapper, ``group_by_expert``). The ``N = T * k`` (token, slot)
+assignments are sorted by expert (stable argsort) and each expert's group is padded up to a multiple
+of ``block_m`` rows (*block-aligned padding*), so every *row block* of ``block_m`` consecutive padded
+rows belongs to one expert. The wrapper keeps, per padded row, the (token, slot) pair it holds (-1 for
+padding), per row block its expert (-1 for blocks past the last used one), and per pair the padded row
+it went to (for the combine). An expert with ``n`` rows takes ``cdiv(n, block_m)`` blocks, so there
+are at most ``(N + min(E, N) * (block_m - 1)) // block_m`` row blocks in use (at most
+``cdiv(N, block_m) + E``): that static bound is the grid size, and the unused blocks at its end return
+at once.
+
+**Kernel A, gate + up + activation**: grid ``(I blocks, row blocks)``. A program reads its block's
+``block_m`` token ids, gathers those rows of ``x`` straight from ``[T, H]`` (pointer arithmetic from the
+index vector: no gathered copy of ``x`` is materialised; padding rows are masked, never loaded), and
+multiplies them by the ``[block_n, block_k]`` tiles of its expert's ``gate`` and ``up`` (nn.Linear
+layout, so ``dot(x, w, trans_b=True)``), walking ``H`` ``block_k`` at a time with two float32
+accumulators. It adds the biases, applies the gated activation in float32 and writes the hidden tile,
+in ``x``'s dtype, to ``[rows, I_pad]``.
+
+**Kernel B, down projection**: grid ``(H blocks, row blocks)``. A program multiplies its block's hidden
+rows by its expert's ``[block_n, block_k]`` tiles of ``down`` (walking ``I``), adds the bias, scales
+every row by its routing weight (0 on padding rows) and writes ``[rows, H_pad]`` in ``x``'s dtype.
+
+**Combine** (jnp): each (token, slot) gathers its padded row; the ``k`` slots are summed in float32.
+Only real rows are ever read, so padding rows and unused blocks (never written) cannot leak in.
+
+The grid's first (fastest) axis is the output-column block: the programs running together share one
+row block (its ``x`` rows / hidden rows are read from HBM once and then hit L2) and consecutive row
+blocks of one expert reuse that expert's weight tiles from L2.
+
+**Ragged sizes.** Blocks are powers of two >= 16 (``dot`` needs >= 16). The default ``block_n`` /
+``block_k`` are the largest power of two (up to the Hopper target) that divides the dimension (2880 =
+45 * 64 takes 64, 768 and 2048 take the targets), so the real models run unmasked. Otherwise the
+weight, bias and ``x`` loads past ``H``/``I`` are masked to zero and the two intermediate arrays are
+padded (``I_pad``, ``H_pad``: whole blocks; the hidden's padding columns are written as zeros).
+
+**Decode** (``T * k <= 128``): ``block_m = clip(next_pow2(T), 16, 128)``. An expert gets at most ``T``
+rows (one per token whose top-k picked it), so every touched expert has exactly one row block, and its
+weights are read exactly once: each ``(I block, row block)`` / ``(H block, row block)`` program reads its
+expert's tile once, and the tiles of one expert are disjoint across the column grid. Untouched experts
+have no row block, so their weights are never read. This is the whole decode cost (weight bandwidth),
+and the narrow ``block_n`` (32) spreads it over enough programs to fill the GPU. **Prefill**:
+``block_m = clip(next_pow2(2 * N / E), 16, 128)``, about twice the mean expert load: small enough that
+padding stays cheap, large enough that most experts still take one block (weights read about once)
+and big loads get 128-row MMA tiles.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxinfer.kernels.moe.reference import gated_activation
+
+DECODE_ROWS = 128  # T * k at or below this is decode-sized: one row block per touched expert
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def _fit(dim: int, target: int) -> int:
+    """The largest power of two in [16, target] dividing ``dim``; else ``target`` (capped), masked."""
+    cap = min(target, max(16, _next_pow2(dim)))
+    b = cap
+    while b > 16 and dim % b:
+        b //= 2
+    return b if dim % b == 0 else cap
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def default_block_sizes(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> dict:
+    """Block sizes and launch parameters for one call (aimed at Hopper / H200).
+
+    Returns ``block_m`` and, per kernel (``"gate_up"``, ``"down"``), ``block_n``, ``block_k``,
+    ``num_warps``, ``num_stages``. Decode-sized (``block_m <= 32``, memory bound): narrow column blocks
+    (32) for many programs, long ``block_k`` (128) for wide contiguous weight loads, 4 warps, 4 stages.
+    Prefill (``block_m`` 64 / 128, compute bound): 64 (gate and up: two accumulators) or 128 (down)
+    columns, ``block_k`` 64, 4 or 8 warps, 4 or 3 stages (<= ~128 KiB of shared memory).
+    """
+    rows = num_tokens * top_k
+    if rows <= DECODE_ROWS:
+        block_m = min(128, max(16, _next_pow2(num_tokens)))
+    else:
+        block_m = min(128, max(16, _next_pow2(2 * -(-rows // num_experts))))
+    if block_m <= 32:
+        gate_up = dict(block_n=32, block_k=128, num_warps=4, num_stages=4)
+        down = dict(block_n=32, block_k=128, num_warps=4, num_stages=4)
+    elif block_m == 64:
+        gate_up = dict(block_n=64, block_k=64, num_warps=4, num_stages=4)
+        down = dict(block_n=128, block_k=64, num_warps=4, num_stages=4)
+    else:
+        gate_up = dict(block_n=64, block_k=64, num_warps=8, num_stages=3)
+        down = dict(block_n=128, block_k=64, num_warps=8, num_stages=3)
+    gate_up.update(block_n=_fit(inter, gate_up["block_n"]), block_k=_fit(hidden, gate_up["block_k"]))
+    down.update(block_n=_fit(hidden, down["block_n"]), block_k=_fit(inter, down["block_k"]))
+    return dict(block_m=block_m, gate_up=gate_up, down=down)
+
+
+def num_row_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Static bound on the row blocks in use: sum over touched experts of ``cdiv(n_e, block_m)``."""
+    touched = min(num_experts, num_pairs)
+    return max(1, (num_pairs + touched * (block_m - 1)) // block_m)
+
+
+class Grouping(NamedTuple):
+    row_pair: jax.Array  # [NB * block_m] int32: the flat (token * k + slot) of each padded row, -1 padding
+    block_expert: jax.Array  # [NB] int32: the expert of each row block, -1 for unused blocks
+    pair_row: jax.Array  # [T * k] int32: the padded row of each (token, slot)
+
+
+def group_by_expert(expert_ids, num_experts: int, block_m: int) -> Grouping:
+    """Sort the (token, slot) pairs by expert, each expert's group padded to whole ``block_m`` blocks."""
+    flat = expert_ids.reshape(-1).astype(jnp.int32)
+    n = flat.shape[0]
+    nb = num_row_blocks(n, num_experts, block_m)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    blocks = (sizes + block_m - 1) // block_m
+    block_end = jnp.cumsum(blocks)
+    first_row = (block_end - blocks) * block_m  # each group starts on a block boundary
+    first_pair = jnp.cumsum(sizes) - sizes  # each group's start in the sorted order
+    sorted_experts = flat[order]
+    dest = first_row[sorted_experts] + jnp.arange(n, dtype=jnp.int32) - first_pair[sorted_experts]
+    pair_row = jnp.zeros((n,), jnp.int32).at[order].set(dest)
+    row_pair = jnp.full((nb * block_m,), -1, jnp.int32).at[dest].set(order, mode="drop")
+    block_expert = jnp.searchsorted(block_end, jnp.arange(nb, dtype=jnp.int32), side="right").astype(jnp.int32)
+    block_expert = jnp.where(block_expert < num_experts, block_expert, -1)
+    return Grouping(row_pair, block_expert, pair_row)
+
+
+def _load_tile(ref, e, n0, k0, block_n: int, block_k: int, n_size: int, k_size: int, mask_n: bool,
+               mask_k: bool):
+    """``ref[e, n0:n0+block_n, k0:k0+block_k]``, zero past ``n_size``/``k_size`` where masking is on."""
+    view = ref.at[e, pl.ds(n0, block_n), pl.ds(k0, block_k)]
+    if not (mask_n or mask_k):
+        return view[...]
+    mask = jnp.ones((block_n, block_k), jnp.bool_)
+    if mask_n:
+        mask &= (n0 + lax.broadcasted_iota(jnp.int32, (block_n, block_k), 0)) < n_size
+    if mask_k:
+        mask &= (k0 + lax.broadcasted_iota(jnp.int32, (block_n, block_k), 1)) < k_size
+    return plgpu.load(view, mask=mask, other=0.0)
+
+
+def _load_bias(ref, e, n0, block_n: int, n_size: int, mask_n: bool, dtype):
+    """Bias slice ``ref[e, n0:n0+block_n]`` rounded to ``dtype`` (as the reference adds it), in float32."""
+    view = ref.at[e, pl.ds(n0, block_n)]
+    if mask_n:
+        b = plgpu.load(view, mask=(n0 + jnp.arange(block_n, dtype=jnp.int32)) < n_size, other=0.0)
+    else:
+        b = view[...]
+    return b.astype(dtype).astype(jnp.float32)
+
+
+def _gate_up_kernel(expert_ref, tok_ref, x_ref, gate_ref, up_ref, *rest, hidden: int, inter: int, block_k: int,
+                    mask_n: bool, mask_k: bool, has_bias: bool, activation: str, alpha: float, limit: float,
+                    precision):
+    if has_bias:
+        gate_bias_ref, up_bias_ref, h_ref = rest
+    else:
+        (h_ref,) = rest
+    block_m, block_n = h_ref.shape
+    dtype = x_ref.dtype
+    e = expert_ref[0]
+    n0 = pl.program_id(0) * block_n
+
+    @pl.when(e >= 0)
+    def _():
+        tok = tok_ref[...]  # [block_m]: token of each row, -1 on padding rows
+        rows = jnp.broadcast_to(jnp.maximum(tok, 0)[:, None], (block_m, block_k))
+        row_ok = jnp.broadcast_to((tok >= 0)[:, None], (block_m, block_k))
+        cols = lax.broadcasted_iota(jnp.int32, (block_m, block_k), 1)
+
+        def body(kb, acc):
+            acc_g, acc_u = acc
+            k0 = kb * block_k
+            x_mask = row_ok & ((k0 + cols) < hidden) if mask_k else row_ok
+            xs = plgpu.load(x_ref.at[rows, k0 + cols], mask=x_mask, other=0.0)  # gathered token rows
+            g = _load_tile(gate_ref, e, n0, k0, block_n, block_k, inter, hidden, mask_n, mask_k).astype(dtype)
+            u = _load_tile(up_ref, e, n0, k0, block_n, block_k, inter, hidden, mask_n, mask_k).astype(dtype)
+            acc_g += plgpu.dot(xs, g, trans_b=True, precision=precision)
+            acc_u += plgpu.dot(xs, u, trans_b=True, precision=precision)
+            return acc_g, acc_u
+
+        zeros = jnp.zeros((block_m, block_n), jnp.float32)
+        acc_g, acc_u = lax.fori_loop(0, pl.cdiv(hidden, block_k), body, (zeros, zeros))
+        if has_bias:
+            acc_g += _load_bias(gate_bias_ref, e, n0, block_n, inter, mask_n, dtype)[None, :]
+            acc_u += _load_bias(up_bias_ref, e, n0, block_n, inter, mask_n, dtype)[None, :]
+        h = gated_activation(acc_g, acc_u, activation, alpha, limit)
+        if mask_n:  # the padding columns of the hidden are read by the down kernel: make them zeros
+            h = jnp.where((n0 + lax.broadcasted_iota(jnp.int32, (block_m, block_n), 1)) < inter, h, 0.0)
+        h_ref[...] = h.astype(h_ref.dtype)
+
+
+def _down_kernel(expert_ref, weight_ref, h_ref, down_ref, *rest, hidden: int, inter: int, block_k: int,
+                 mask_n: bool, mask_k: bool, has_bias: bool, precision):
+    if has_bias:
+        bias_ref, o_ref = rest
+    else:
+        (o_ref,) = rest
+    block_m, block_n = o_ref.shape
+    dtype = h_ref.dtype
+    e = expert_ref[0]
+    n0 = pl.program_id(0) * block_n
+
+    @pl.when(e >= 0)
+    def _():
+        def body(kb, acc):
+            k0 = kb * block_k
+            hs = h_ref[:, pl.ds(k0, block_k)]  # hidden padding columns are zeros
+            d = _load_tile(down_ref, e, n0, k0, block_n, block_k, hidden, inter, mask_n, mask_k).astype(dtype)
+            return acc + plgpu.dot(hs, d, trans_b=True, precision=precision)
+
+        acc = lax.fori_loop(0, pl.cdiv(inter, block_k), body, jnp.zeros((block_m, block_n), jnp.float32))
+        if has_bias:
+            acc += _load_bias(bias_ref, e, n0, block_n, hidden, mask_n, dtype)[None, :]
+        acc = acc * weight_ref[...][:, None]
+        o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def _check_block(name: str, value: int):
+    if not _is_pow2(value) or value < 16:
+        raise ValueError(f"{name} ({value}) must be a power of two >= 16")
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "alpha", "limit", "interpret", "block_m", "block_n",
+                                             "block_k", "num_warps", "num_stages"))
+def moe_mlp(x, expert_ids, expert_weights, gate, up, down, *, gate_bias=None, up_bias=None, down_bias=None,
+            activation: str = "silu", alpha: float = 1.702, limit: float = 7.0, interpret: bool = False,
+            block_m=None, block_n=None, block_k=None, num_warps=None, num_stages=None):
+    """x [T, H]; expert_ids [T, k] int; expert_weights [T, k] -> [T, H] in x's dtype.
+
+    Same semantics as ``reference.moe_mlp``: weights in nn.Linear layout, ``gate``/``up`` [E, I, H],
+    ``down`` [E, H, I], optional biases [E, I], [E, I], [E, H]; expert ids must lie in ``[0, E)``.
+    Tuning (``None``: ``default_block_sizes``): ``block_m`` rows per row block, ``block_n`` output
+    columns and ``block_k`` reduction step per program, Triton ``num_warps``/``num_stages``; a given
+    value applies to both kernels. Block sizes are powers of two >= 16; ``H`` and ``I`` are arbitrary.
+    """
+    if activation not in ("silu", "gpt_oss"):
+        raise ValueError(f"unknown MoE activation {activation!r}")
+    num_tokens, hidden = x.shape
+    num_experts, inter, hidden_w = gate.shape
+    top_k = expert_ids.shape[1]
+    if expert_ids.shape != (num_tokens, top_k) or expert_weights.shape != (num_tokens, top_k):
+        raise ValueError(f"expert_ids {expert_ids.shape} / expert_weights {expert_weights.shape} must be "
+                         f"[{num_tokens}, k]")
+    if hidden_w != hidden or up.shape != gate.shape or down.shape != (num_experts, hidden, inter):
+        raise ValueError(f"expert weights gate {gate.shape}, up {up.shape}, down {down.shape} do not match "
+                         f"[E, I, H] / [E, H, I] with H = {hidden}")
+    for name, b, n in (("gate_bias", gate_bias, inter), ("up_bias", up_bias, inter), ("down_bias", down_bias, hidden)):
+        if b is not None and b.shape != (num_experts, n):
+            raise ValueError(f"{name} {b.shape} must be [{num_experts}, {n}]")
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0:
+        return jnp.zeros((num_tokens, hidden), x.dtype)
+
+    defaults = default_block_sizes(num_tokens, top_k, num_experts, hidden, inter)
+    block_m = defaults["block_m"] if block_m is None else block_m
+    launch = {}
+    for kernel in ("gate_up", "down"):
+        cfg = dict(defaults[kernel])
+        for key, value in (("block_n", block_n), ("block_k", block_k), ("num_warps", num_warps),
+                           ("num_stages", num_stages)):
+            if value is not None:
+                cfg[key] = value
+        _check_block(f"{kernel} block_n", cfg["block_n"])
+        _check_block(f"{kernel} block_k", cfg["block_k"])
+        launch[kernel] = cfg
+    _check_block("block_m", block_m)
+    gu, dn = launch["gate_up"], launch["down"]
+
+    grouping = group_by_expert(expert_ids, num_experts, block_m)
+    nb = grouping.block_expert.shape[0]
+    rows = nb * block_m
+    valid = grouping.row_pair >= 0
+    pair = jnp.maximum(grouping.row_pair, 0)
+    row_token = jnp.where(valid, pair // top_k, -1).reshape(nb, block_m)
+    # The reference multiplies in x's dtype: round the routing weights to it.
+    w = expert_weights.reshape(-1).astype(x.dtype).astype(jnp.float32)
+    row_weight = jnp.where(valid, w[pair], 0.0).reshape(nb, block_m)
+    block_expert = grouping.block_expert[:, None]  # [NB, 1]
+
+    precision = lax.Precision.HIGHEST if jnp.dtype(x.dtype) == jnp.float32 else None
+    inter_pad = _round_up(inter, max(gu["block_n"], dn["block_k"]))  # whole blocks for both kernels
+    hidden_pad = _round_up(hidden, dn["block_n"])
+
+    # Kernel A: hidden [rows, I_pad] = act(x[rows] @ gate[e].T, x[rows] @ up[e].T).
+    has_bias = gate_bias is not None or up_bias is not None
+    inputs = [block_expert, row_token, x, gate, up]
+    in_specs = [
+        pl.BlockSpec((None, 1), lambda n, b: (b, 0)),
+        pl.BlockSpec((None, block_m), lambda n, b: (b, 0)),
+        pl.BlockSpec(x.shape, lambda n, b: (0, 0)),
+        pl.BlockSpec(gate.shape, lambda n, b: (0, 0, 0)),
+        pl.BlockSpec(up.shape, lambda n, b: (0, 0, 0)),
+    ]
+    if has_bias:
+        zeros = jnp.zeros((num_experts, inter), x.dtype)
+        inputs += [zeros if gate_bias is None else gate_bias, zeros if up_bias is None else up_bias]
+        in_specs += [pl.BlockSpec((num_experts, inter), lambda n, b: (0, 0))] * 2
+    kernel = functools.partial(
+        _gate_up_kernel, hidden=hidden, inter=inter, block_k=gu["block_k"], mask_n=inter_pad != inter,
+        mask_k=hidden % gu["block_k"] != 0, has_bias=has_bias, activation=activation, alpha=float(alpha),
+        limit=float(limit), precision=precision)
+    h = pl.pallas_call(
+        kernel,
+        grid=(inter_pad // gu["block_n"], nb),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((block_m, gu["block_n"]), lambda n, b: (b, n)),
+        out_shape=jax.ShapeDtypeStruct((rows, inter_pad), x.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=gu["num_warps"], num_stages=gu["num_stages"]),
+        interpret=interpret,
+        name=f"moe_gate_up_{block_m=}_block_n={gu['block_n']}_block_k={gu['block_k']}",
+    )(*inputs)
+
+    # Kernel B: out [rows, H_pad] = weight * (hidden @ down[e].T + down_bias[e]).
+    inputs = [block_expert, row_weight, h, down]
+    in_specs = [
+        pl.BlockSpec((None, 1), lambda n, b: (b, 0)),
+        pl.BlockSpec((None, block_m), lambda n, b: (b, 0)),
+        pl.BlockSpec((block_m, inter_pad), lambda n, b: (b, 0)),
+        pl.BlockSpec(down.shape, lambda n, b: (0, 0, 0)),
+    ]
+    if down_bias is not None:
+        inputs.append(down_bias)
+        in_specs.append(pl.BlockSpec(down_bias.shape, lambda n, b: (0, 0)))
+    kernel = functools.partial(
+        _down_kernel, hidden=hidden, inter=inter, block_k=dn["block_k"], mask_n=hidden_pad != hidden,
+        mask_k=inter % dn["block_k"] != 0, has_bias=down_bias is not None, precision=precision)
+    out = pl.pallas_call(
+        kernel,
+        grid=(hidden_pad // dn["block_n"], nb),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((block_m, dn["block_n"]), lambda n, b: (b, n)),
+        out_shape=jax.ShapeDtypeStruct((rows, hidden_pad), x.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=dn["num_warps"], num_stages=dn["num_stages"]),
+        interpret=interpret,
+        name=f"moe_down_{block_m=}_block_n={dn['block_n']}_block_k={dn['block_k']}",
+    )(*inputs)
+
+    # Combine: every (token, slot) reads its row (real rows only), the k slots summed in float32.
+    out = out[grouping.pair_row]
+    if hidden_pad != hidden:
+        out = out[:, :hidden]
+    return out.reshape(num_tokens, top_k, hidden).astype(jnp.float32).sum(axis=1).astype(x.dtype)
+
+
+__all__ = ["DECODE_ROWS", "Grouping", "default_block_sizes", "group_by_expert", "moe_mlp", "num_row_blocks"]

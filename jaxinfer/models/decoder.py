@@ -1,0 +1,169 @@
+"""The decoder-only transformer every family composes: embeddings, layers of (attention, MLP or MoE)
+with pre-norm residuals, final norm, LM head.
+
+A family describes itself with a ``DecoderSpec`` built from its config (which biases, which q/k
+norm, sinks, which layers slide, which layers are sparse and how they route); ``DecoderForCausalLM``
+does the rest. Families subclass it and implement ``spec``, plus ``checkpoint_sources`` where their
+checkpoint layout differs from the parameter tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from jaxinfer.cache.layout import KVCacheSpec
+from jaxinfer.cache.metadata import AttentionMetadata
+from jaxinfer.config import ModelConfig
+from jaxinfer.models.base import CausalLM
+from jaxinfer.models.layers.activations import get_activation
+from jaxinfer.models.layers.attention import PagedGQAttention
+from jaxinfer.models.layers.linear import Embedding, Linear
+from jaxinfer.models.layers.mlp import GatedMLP
+from jaxinfer.models.layers.moe import MoESpec, SparseMoE
+from jaxinfer.models.layers.norm import RMSNorm
+from jaxinfer.models.layers.rope import RotaryEmbedding
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: str | None = None  # None, "head" or "full" (see PagedGQAttention)
+    sinks: bool = False
+    sliding_window: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    attention: AttentionSpec
+    moe: MoESpec | None = None  # None: a dense gated MLP
+    mlp_bias: bool = False
+    mlp_name: str = "mlp"  # the MLP / MoE block's module name in the checkpoint
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderSpec:
+    layers: tuple[LayerSpec, ...]
+    norm_float32_weight: bool = False  # RMSNorm multiplies its weight in float32 (GPT-OSS)
+
+
+def layer_windows(config: ModelConfig, default_sliding: bool = False) -> tuple[int | None, ...]:
+    """Sliding window per layer from ``layer_types`` (HF >= 4.5x configs), else all or none."""
+    n, window = config.num_hidden_layers, config.get("sliding_window")
+    layer_types = config.get("layer_types")
+    if layer_types is None:
+        return (window if default_sliding else None,) * n
+    from jaxinfer.errors import ConfigError
+
+    if len(layer_types) != n:
+        raise ConfigError(f"layer_types has {len(layer_types)} entries for {n} layers")
+    unknown = set(layer_types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise ConfigError(f"unsupported layer_types {sorted(unknown)} for {config.model_type}")
+    if "sliding_attention" in layer_types and not window:
+        raise ConfigError("layer_types has sliding_attention layers but sliding_window is not set")
+    return tuple(window if t == "sliding_attention" else None for t in layer_types)
+
+
+class DecoderLayer(nn.Module):
+    config: ModelConfig
+    spec: LayerSpec
+    norm_float32_weight: bool
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x, cos, sin, kv_cache, md):
+        c, spec, attn = self.config, self.spec, self.spec.attention
+        norm = lambda name: RMSNorm(c.rms_norm_eps, float32_weight=self.norm_float32_weight,  # noqa: E731
+                                    param_dtype=self.param_dtype, name=name)
+        attn_out, kv_cache = PagedGQAttention(
+            num_heads=c.num_attention_heads,
+            num_kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            qkv_bias=attn.qkv_bias,
+            o_bias=attn.o_bias,
+            qk_norm_eps=c.rms_norm_eps if attn.qk_norm else None,
+            qk_norm=attn.qk_norm or "head",
+            sinks=attn.sinks,
+            sliding_window=attn.sliding_window,
+            param_dtype=self.param_dtype,
+            name="self_attn",
+        )(norm("input_layernorm")(x), cos, sin, kv_cache, md)
+        x = x + attn_out
+        h = norm("post_attention_layernorm")(x)
+        if spec.moe is None:
+            mlp = GatedMLP(c.intermediate_size, c.hidden_act, spec.mlp_bias, self.param_dtype, name=spec.mlp_name)
+        else:
+            mlp = SparseMoE(spec.moe, c.hidden_act, self.param_dtype, name=spec.mlp_name)
+        return x + mlp(h), kv_cache
+
+
+class DecoderModel(nn.Module):
+    """HF's ``model.*``: embeddings, layers, final norm."""
+
+    config: ModelConfig
+    spec: DecoderSpec
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, token_ids, md: AttentionMetadata, caches):
+        c = self.config
+        embed = Embedding(c.vocab_size, c.hidden_size, self.param_dtype, name="embed_tokens")
+        x = embed(token_ids)
+        rope = RotaryEmbedding(c.rope, c.head_dim, c.max_position_embeddings)
+        cos, sin = rope.cos_sin(md.positions, md.seq_lens[md.token_seq_ids])
+        new_caches = []
+        for i, layer in enumerate(self.spec.layers):
+            x, kv = DecoderLayer(c, layer, self.spec.norm_float32_weight, self.param_dtype, name=f"layers_{i}")(
+                x, cos, sin, caches[i], md)
+            new_caches.append(kv)
+        x = RMSNorm(c.rms_norm_eps, float32_weight=self.spec.norm_float32_weight, param_dtype=self.param_dtype,
+                    name="norm")(x)
+        return x, embed, new_caches
+
+
+class DecoderForCausalLM(CausalLM):
+    """Base of every decoder family; subclasses provide ``spec``."""
+
+    @classmethod
+    def spec(cls, config: ModelConfig) -> DecoderSpec:
+        raise NotImplementedError
+
+    @classmethod
+    def validate_config(cls, config: ModelConfig) -> None:
+        get_activation(config.hidden_act)
+        cls.spec(config)
+
+    @classmethod
+    def kv_cache_specs(cls, config: ModelConfig) -> tuple[KVCacheSpec, ...]:
+        return tuple(
+            KVCacheSpec(
+                kind="sliding_attention" if layer.attention.sliding_window else "full_attention",
+                num_kv_heads=config.num_key_value_heads,
+                head_dim=config.head_dim,
+                sliding_window=layer.attention.sliding_window,
+            )
+            for layer in cls.spec(config).layers
+        )
+
+    @classmethod
+    def ignored_checkpoint_keys_for(cls, config: ModelConfig) -> tuple[str, ...]:
+        # A tied LM head reads the embedding matrix; a stored copy is ignored, as HF does.
+        tied = (r"^lm_head\.weight$",) if config.tie_word_embeddings else ()
+        return cls.ignored_checkpoint_keys + tied
+
+    @nn.compact
+    def __call__(self, token_ids, md: AttentionMetadata, caches, *, all_logits: bool = False):
+        """Returns float32 logits for ``md.logits_indices`` (or every token with ``all_logits``)."""
+        c = self.config
+        x, embed, caches = DecoderModel(c, type(self).spec(c), self.dtype, name="model")(token_ids, md, caches)
+        if not all_logits:
+            x = x[md.logits_indices]
+        if c.tie_word_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = Linear(c.vocab_size, False, self.dtype, name="lm_head")(x)
+        return logits.astype(jnp.float32), caches

@@ -1,0 +1,89 @@
+"""GPT-OSS: attention with sinks and biases, alternating sliding-window / full layers, YaRN RoPE,
+and biased top-k-then-softmax routing over experts with a clamped SwiGLU.
+
+On disk the experts are fused, in ``x @ W`` orientation: ``gate_up_proj`` ``[E, H, 2I]`` with gate
+and up **interleaved** (even / odd columns) and ``down_proj`` ``[E, I, H]``, each with a bias; or
+MXFP4-quantised as ``*_blocks`` (uint8, two FP4 values per byte) and ``*_scales`` (uint8 exponents,
+bias 127), one scale per 32 values, stored ``[E, 2I, H]`` / ``[E, H, I]``. Both are re-laid out on
+load into the stacked nn.Linear layout every MoE model here uses (MXFP4 dequantised to the serving
+dtype).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.models.decoder import AttentionSpec, DecoderForCausalLM, DecoderSpec, LayerSpec, layer_windows
+from jaxinfer.models.layers.moe import MoESpec
+from jaxinfer.weights import Derived, Tensor
+
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                      np.float32)
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """blocks uint8 [..., G, B], scales uint8 [..., G] -> float32 [..., G * 2B].
+
+    Each byte holds two FP4 (e2m1) values, low nibble first; each group of 2B values shares the
+    power-of-two scale ``2 ** (scale - 127)``.
+    """
+    low = FP4_VALUES[blocks & 0x0F]
+    high = FP4_VALUES[blocks >> 4]
+    values = np.stack([low, high], axis=-1).reshape(*blocks.shape[:-1], 2 * blocks.shape[-1])
+    values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
+    return values.reshape(*blocks.shape[:-2], -1)
+
+
+def _expert_sources(prefix: str, available: set[str]) -> dict[str, object]:
+    """Sources of one layer's expert parameters (``prefix`` = ``model.layers.N.mlp.experts``)."""
+    gate_up, down = f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
+    sources = {
+        "gate_proj_bias": Derived([f"{gate_up}_bias"], lambda b: b[:, 0::2], lambda s: (s[0], s[1] // 2)),
+        "up_proj_bias": Derived([f"{gate_up}_bias"], lambda b: b[:, 1::2], lambda s: (s[0], s[1] // 2)),
+        "down_proj_bias": Tensor(f"{down}_bias"),
+    }
+    if f"{gate_up}_blocks" in available:  # MXFP4: rows are output features already ([E, 2I, H], [E, H, I])
+        names = [f"{gate_up}_blocks", f"{gate_up}_scales"]
+        rows = lambda b, s: (b[0], b[1] // 2, b[2] * b[3] * 2)  # noqa: E731
+        sources["gate_proj"] = Derived(names, lambda b, s: dequantize_mxfp4(b, s)[:, 0::2], rows)
+        sources["up_proj"] = Derived(names, lambda b, s: dequantize_mxfp4(b, s)[:, 1::2], rows)
+        sources["down_proj"] = Derived([f"{down}_blocks", f"{down}_scales"], dequantize_mxfp4,
+                                       lambda b, s: (b[0], b[1], b[2] * b[3] * 2))
+    else:  # [E, H, 2I] and [E, I, H], used as x @ W
+        swap = lambda s: (s[0], s[2] // 2, s[1])  # noqa: E731
+        sources["gate_proj"] = Derived([gate_up], lambda w: w[:, :, 0::2].transpose(0, 2, 1), swap)
+        sources["up_proj"] = Derived([gate_up], lambda w: w[:, :, 1::2].transpose(0, 2, 1), swap)
+        sources["down_proj"] = Derived([down], lambda w: w.transpose(0, 2, 1), lambda s: (s[0], s[2], s[1]))
+    return sources
+
+
+class GptOssForCausalLM(DecoderForCausalLM):
+    supports_expert_parallel = True
+
+    @classmethod
+    def spec(cls, config: ModelConfig) -> DecoderSpec:
+        bias = bool(config.get("attention_bias", True))
+        moe = MoESpec(num_experts=config.require("num_local_experts", "num_experts"),
+                      top_k=config.require("num_experts_per_tok"),
+                      intermediate_size=config.intermediate_size, router="topk_softmax", router_name="router",
+                      router_bias=True, expert_bias=True, activation="gpt_oss",
+                      alpha=float(config.get("swiglu_alpha", 1.702)), limit=float(config.get("swiglu_limit", 7.0)))
+        return DecoderSpec(
+            tuple(LayerSpec(AttentionSpec(qkv_bias=bias, o_bias=bias, sinks=True, sliding_window=w), moe)
+                  for w in layer_windows(config)),
+            norm_float32_weight=True,
+        )
+
+    @classmethod
+    def checkpoint_sources(cls, config: ModelConfig, expected: dict, available: set[str]) -> dict:
+        sources, per_layer = {}, {}
+        for path in expected:
+            if len(path) >= 2 and path[-2] == "experts":
+                prefix = cls.path_to_checkpoint_name(path[:-1])
+                if prefix not in per_layer:
+                    per_layer[prefix] = _expert_sources(prefix, available)
+                sources[path] = per_layer[prefix][path[-1]]
+            else:
+                sources[path] = Tensor(cls.path_to_checkpoint_name(path))
+        return sources

@@ -1,0 +1,29 @@
+"""MiniMax-M2: GQA with q/k RMSNorm over the whole projected q and k (all heads at once), partial
+RoPE, and sigmoid-scored experts chosen with ``e_score_correction_bias`` (stored on the MoE block),
+weighted by the normalised unbiased scores; no scaling factor, no groups, no shared expert.
+Experts are Mixtral-style on disk: ``block_sparse_moe.experts.{e}.{w1,w3,w2}.weight``.
+"""
+
+from __future__ import annotations
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.models.decoder import AttentionSpec, DecoderForCausalLM, DecoderSpec, LayerSpec
+from jaxinfer.models.layers.moe import MoESpec
+from jaxinfer.models.moe_checkpoints import per_expert_sources
+
+
+class MiniMaxM2ForCausalLM(DecoderForCausalLM):
+    supports_expert_parallel = True
+
+    @classmethod
+    def spec(cls, config: ModelConfig) -> DecoderSpec:
+        attention = AttentionSpec(qk_norm="full")
+        moe = MoESpec(num_experts=config.require("num_local_experts", "num_experts"),
+                      top_k=config.require("num_experts_per_tok"),
+                      intermediate_size=config.intermediate_size, router="sigmoid_bias", norm_topk_prob=True)
+        return DecoderSpec(tuple(LayerSpec(attention, moe, mlp_name="block_sparse_moe")
+                                 for _ in range(config.num_hidden_layers)))
+
+    @classmethod
+    def checkpoint_sources(cls, config: ModelConfig, expected: dict, available: set[str]) -> dict:
+        return per_expert_sources(cls, expected, {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"})

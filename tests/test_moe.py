@@ -1,0 +1,139 @@
+"""Mixture-of-experts: model parity against transformers, the MXFP4 loader, routers and the expert op."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file, save_file
+
+from jaxinfer import LLM, SamplingParams, load_model
+from jaxinfer.kernels.moe import gated_activation, moe_mlp
+from jaxinfer.models.gpt_oss import FP4_VALUES, dequantize_mxfp4
+from jaxinfer.models.layers.moe import MoESpec, route
+from tests.conftest import make_hf_checkpoint, random_prompts
+
+MOE = dict(head_dim=16, intermediate_size=48)
+CASES = {
+    # Sparse layer 0, dense layer 1 (mlp_only_layers); renormalised and raw top-k weights.
+    "qwen3_moe": ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    norm_topk_prob=True, mlp_only_layers=[1])),
+    "qwen3_moe-unnormalised": ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                                                 norm_topk_prob=False)),
+    # Partial RoPE from the legacy rotary_dim, whole-vector q/k norm, sigmoid + correction-bias routing.
+    "minimax_m2": ("minimax_m2", dict(num_local_experts=8, num_experts_per_tok=2, rotary_dim=8, bos_token_id=1,
+                                      eos_token_id=2)),
+    # Sinks, sliding window (8) shorter than the prompt on even layers, YaRN, biased experts.
+    "gpt_oss": ("gpt_oss", dict(num_local_experts=8, num_experts_per_tok=2, sliding_window=8)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logits_and_greedy_tokens_match_hf(case, hf_checkpoint):
+    family, overrides = CASES[case]
+    path, hf_model = hf_checkpoint(family, **MOE, **overrides)
+    ids = random_prompts([40], seed=1)[0]
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(load_model(path, dtype="float32").logits(ids), ref, atol=1e-4, rtol=0)
+
+    prompts = random_prompts([9, 26], seed=2)
+    llm = LLM(path, dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, page_size=8,
+              warmup=False, show_progress=False)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=16,
+                                                                                 ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            hf = hf_model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                                   pad_token_id=0)
+        assert out.token_ids == hf[0, len(prompt):].tolist()
+
+
+def _quantize_mxfp4(rng, experts, rows, cols):
+    """Random MXFP4 tensors (blocks [E, rows, cols/32, 16], scales [E, rows, cols/32])."""
+    blocks = rng.randint(0, 256, size=(experts, rows, cols // 32, 16)).astype(np.uint8)
+    scales = rng.randint(120, 126, size=(experts, rows, cols // 32)).astype(np.uint8)
+    return blocks, scales
+
+
+def test_dequantize_mxfp4_nibble_order_and_scale():
+    blocks = np.array([[[0x21]]], np.uint8)  # low nibble 1 (0.5), high nibble 2 (1.0)
+    scales = np.array([[128]], np.uint8)  # 2 ** 1
+    np.testing.assert_array_equal(dequantize_mxfp4(blocks, scales), [[[1.0, 2.0]]][0])
+    assert FP4_VALUES[0b1111] == -6.0
+
+
+def test_gpt_oss_mxfp4_checkpoint(tmp_path):
+    """Write GPT-OSS experts as MXFP4 blocks/scales; the model must equal HF run on the dequantised weights."""
+    family, overrides = CASES["gpt_oss"]
+    # MXFP4 groups 32 values: hidden and expert width must be multiples of 32.
+    path, hf_model = make_hf_checkpoint(tmp_path / "dense", family, **{**MOE, "intermediate_size": 64}, **overrides)
+    cfg = hf_model.config
+    experts, hidden, inter = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    rng = np.random.RandomState(0)
+    out_dir = tmp_path / "mxfp4"
+    shutil.copytree(path, out_dir)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    with torch.no_grad():
+        for i, layer in enumerate(hf_model.model.layers):
+            prefix = f"model.layers.{i}.mlp.experts"
+            gu_blocks, gu_scales = _quantize_mxfp4(rng, experts, 2 * inter, hidden)
+            d_blocks, d_scales = _quantize_mxfp4(rng, experts, hidden, inter)
+            # HF's own layout for the dense weights: the dequantised [E, out, in] transposed to x @ W.
+            layer.mlp.experts.gate_up_proj.copy_(torch.from_numpy(dequantize_mxfp4(gu_blocks, gu_scales)).transpose(1, 2))
+            layer.mlp.experts.down_proj.copy_(torch.from_numpy(dequantize_mxfp4(d_blocks, d_scales)).transpose(1, 2))
+            del tensors[f"{prefix}.gate_up_proj"], tensors[f"{prefix}.down_proj"]
+            tensors.update({f"{prefix}.gate_up_proj_blocks": gu_blocks, f"{prefix}.gate_up_proj_scales": gu_scales,
+                            f"{prefix}.down_proj_blocks": d_blocks, f"{prefix}.down_proj_scales": d_scales})
+    save_file(tensors, str(out_dir / "model.safetensors"))
+    ids = random_prompts([30], seed=4)[0]
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0].numpy()
+    ours = load_model(out_dir, dtype="float32").logits(ids)
+    np.testing.assert_allclose(ours, ref, atol=1e-4 * max(1.0, np.abs(ref).max()), rtol=0)
+
+
+def test_grouped_sigmoid_router_matches_numpy():
+    """DeepSeek-style routing: groups scored by their top-2, best groups kept, bias only for choice."""
+    rng = np.random.RandomState(0)
+    logits = rng.randn(5, 16).astype(np.float32)
+    bias = (0.3 * rng.randn(16)).astype(np.float32)
+    spec = MoESpec(num_experts=16, top_k=3, intermediate_size=8, router="sigmoid_bias", n_group=4, topk_group=2,
+                   norm_topk_prob=True, norm_eps=1e-20, routed_scaling_factor=2.5)
+    weights, ids = route(jnp.asarray(logits), spec, jnp.asarray(bias))
+    scores = 1 / (1 + np.exp(-logits))
+    for t in range(5):
+        choice = scores[t] + bias
+        group_score = np.sort(choice.reshape(4, 4), axis=1)[:, -2:].sum(1)
+        groups = np.argsort(-group_score)[:2]
+        masked = np.where(np.isin(np.arange(16) // 4, groups), choice, 0.0)
+        want = np.argsort(-masked)[:3]
+        assert sorted(np.asarray(ids[t]).tolist()) == sorted(want.tolist())
+        w = scores[t][np.asarray(ids[t])]
+        np.testing.assert_allclose(np.asarray(weights[t]), w / (w.sum() + 1e-20) * 2.5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gpt_oss"])
+def test_moe_mlp_matches_a_loop_over_tokens(activation):
+    rng = np.random.RandomState(1)
+    t, h, i, e, k = 7, 16, 8, 5, 2
+    x = rng.randn(t, h).astype(np.float32)
+    gate, up = rng.randn(e, i, h).astype(np.float32), rng.randn(e, i, h).astype(np.float32)
+    down = rng.randn(e, h, i).astype(np.float32)
+    biases = [rng.randn(e, i).astype(np.float32), rng.randn(e, i).astype(np.float32), rng.randn(e, h).astype(np.float32)]
+    ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
+    weights = rng.rand(t, k).astype(np.float32)
+    out = moe_mlp(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(weights), gate, up, down, gate_bias=biases[0],
+                  up_bias=biases[1], down_bias=biases[2], activation=activation)
+    want = np.zeros_like(x)
+    for token in range(t):
+        for slot in range(k):
+            ex = ids[token, slot]
+            hidden = gated_activation(jnp.asarray(gate[ex] @ x[token] + biases[0][ex]),
+                                      jnp.asarray(up[ex] @ x[token] + biases[1][ex]), activation)
+            want[token] += weights[token, slot] * (down[ex] @ np.asarray(hidden) + biases[2][ex])
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)

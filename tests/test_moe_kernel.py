@@ -1,0 +1,166 @@
+"""The Pallas grouped-GEMM MoE kernel (interpret mode, CPU) against the plain-jnp reference.
+
+The same comparison at the real shapes (and benchmarks) on the GPU is in scripts/moe_check.py.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.kernels.moe import grouped_pallas, reference
+
+
+def make_ids(rng, num_tokens, top_k, num_experts, dist):
+    """Expert ids [T, k]: ``uniform``, ``uneven`` (expert 0 takes half the mass, the last three none) or
+    ``duplicates`` (drawn with replacement: a token may pick one expert twice)."""
+    if dist == "duplicates":
+        return rng.randint(0, num_experts, size=(num_tokens, top_k)).astype(np.int32)
+    p = np.ones(num_experts)
+    if dist == "uneven":
+        p[-3:] = 0.0
+        p[0] = p[1:].sum()
+    p /= p.sum()
+    return np.stack([rng.choice(num_experts, top_k, replace=False, p=p) for _ in range(num_tokens)]).astype(np.int32)
+
+
+def make_case(num_tokens, top_k, num_experts, hidden, inter, dtype, *, biases=(), dist="uniform", seed=0):
+    rng = np.random.RandomState(seed)
+    cast = lambda a: jnp.asarray(a, dtype)  # noqa: E731
+    x = cast(rng.randn(num_tokens, hidden))
+    ids = make_ids(rng, num_tokens, top_k, num_experts, dist)
+    weights = cast(rng.rand(num_tokens, top_k))
+    params = dict(gate=cast(rng.randn(num_experts, inter, hidden) * hidden**-0.5),
+                  up=cast(rng.randn(num_experts, inter, hidden) * hidden**-0.5),
+                  down=cast(rng.randn(num_experts, hidden, inter) * inter**-0.5))
+    sizes = dict(gate_bias=inter, up_bias=inter, down_bias=hidden)
+    for name in biases:
+        params[name] = cast(0.3 * rng.randn(num_experts, sizes[name]))
+    return x, jnp.asarray(ids), weights, params
+
+
+ALL_BIASES = ("gate_bias", "up_bias", "down_bias")
+CASES = {
+    # name: (T, k, E, H, I, dtype, activation, biases, distribution, kernel options)
+    "decode-t1-silu-f32": (1, 2, 8, 80, 48, jnp.float32, "silu", (), "uniform", {}),
+    "decode-t4-gptoss-bias-f32": (4, 4, 8, 80, 48, jnp.float32, "gpt_oss", ALL_BIASES, "uniform", {}),
+    "decode-t2-gptoss-bias-bf16": (2, 2, 8, 80, 48, jnp.bfloat16, "gpt_oss", ALL_BIASES, "uniform", {}),
+    "prefill-uneven-silu-f32": (100, 2, 8, 80, 48, jnp.float32, "silu", (), "uneven", {}),
+    "prefill-uneven-gptoss-bias-f32": (100, 4, 8, 80, 48, jnp.float32, "gpt_oss", ALL_BIASES, "uneven", {}),
+    "prefill-uneven-silu-bias-bf16": (96, 2, 8, 80, 48, jnp.bfloat16, "silu", ALL_BIASES, "uneven", {}),
+    "prefill-k1-gptoss-bf16": (100, 1, 8, 80, 48, jnp.bfloat16, "gpt_oss", (), "uneven", {}),
+    # Blocks that do not divide H (80) or I (48): masked weight/x loads, padded intermediates, and
+    # several row blocks per expert.
+    "prefill-masked-blocks-gptoss-bias-f32": (100, 2, 8, 80, 48, jnp.float32, "gpt_oss", ALL_BIASES, "uneven",
+                                              dict(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2)),
+    "pow2-silu-bf16": (40, 2, 4, 64, 32, jnp.bfloat16, "silu", (), "uniform", {}),
+    # A token picking one expert twice; only some of the biases.
+    "duplicates-partial-bias-f32": (8, 3, 4, 80, 48, jnp.float32, "silu", ("up_bias", "down_bias"), "duplicates",
+                                    {}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_reference(case):
+    t, k, e, h, i, dtype, activation, biases, dist, options = CASES[case]
+    x, ids, weights, params = make_case(t, k, e, h, i, dtype, biases=biases, dist=dist)
+    if dist == "uneven":  # the case really is uneven: idle experts, and one expert with many rows
+        loads = np.bincount(np.asarray(ids).ravel(), minlength=e)
+        assert (loads == 0).sum() >= 3 and loads.max() > 32
+    ref = reference.moe_mlp(x, ids, weights, **params, activation=activation)
+    out = grouped_pallas.moe_mlp(x, ids, weights, **params, activation=activation, interpret=True, **options)
+    assert out.shape == (t, h) and out.dtype == x.dtype
+    ref = np.asarray(ref, np.float32)
+    out = np.asarray(out, np.float32)
+    scale = np.abs(ref).max()
+    assert scale > 0.1  # a non-trivial output
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * scale)
+
+
+@pytest.mark.parametrize("num_tokens, top_k, num_experts, block_m, dist", [
+    (3, 2, 8, 16, "uniform"),     # decode-sized: one block per touched expert
+    (100, 4, 8, 16, "uneven"),    # several blocks for the busy expert, idle experts
+    (50, 1, 8, 16, "uneven"),     # k = 1
+    (20, 3, 4, 16, "duplicates"),  # a token's slots on one expert
+])
+def test_grouping(num_tokens, top_k, num_experts, block_m, dist):
+    ids = make_ids(np.random.RandomState(1), num_tokens, top_k, num_experts, dist)
+    g = grouped_pallas.group_by_expert(jnp.asarray(ids), num_experts, block_m)
+    row_pair, block_expert, pair_row = (np.asarray(a) for a in g)
+    num_pairs = num_tokens * top_k
+    nb = grouped_pallas.num_row_blocks(num_pairs, num_experts, block_m)
+    assert nb <= -(-num_pairs // block_m) + num_experts
+    assert row_pair.shape == (nb * block_m,) and block_expert.shape == (nb,) and pair_row.shape == (num_pairs,)
+
+    # Every (token, slot) sits in exactly one padded row, and pair_row points back at it.
+    real = row_pair[row_pair >= 0]
+    assert sorted(real.tolist()) == list(range(num_pairs))
+    np.testing.assert_array_equal(row_pair[pair_row], np.arange(num_pairs))
+    assert (row_pair[row_pair < 0] == -1).all()  # padding rows are marked -1
+
+    # Each row block holds one expert's rows; the used blocks come first, with the experts in order,
+    # each expert taking exactly cdiv(load, block_m) blocks; unused blocks are -1 and all padding.
+    flat = ids.ravel()
+    loads = np.bincount(flat, minlength=num_experts)
+    blocks = row_pair.reshape(nb, block_m)
+    used = int((-(-loads // block_m)).sum())
+    assert (block_expert[:used] >= 0).all() and (block_expert[used:] == -1).all()
+    assert (blocks[used:] == -1).all()
+    assert (np.diff(block_expert[:used]) >= 0).all()
+    np.testing.assert_array_equal(np.bincount(block_expert[:used], minlength=num_experts), -(-loads // block_m))
+    for b in range(used):
+        rows = blocks[b][blocks[b] >= 0]
+        assert len(rows) > 0 and (flat[rows] == block_expert[b]).all()
+        # Real rows first within a block: padding only at the end of an expert's group.
+        assert (blocks[b][: len(rows)] >= 0).all()
+    if dist == "uneven":
+        assert (loads == 0).any() and loads.max() > block_m  # idle experts and a multi-block expert
+
+
+@pytest.mark.parametrize("num_tokens, top_k, num_experts", [(1, 8, 128), (16, 8, 128), (1, 4, 32), (32, 4, 32)])
+def test_decode_reads_each_touched_expert_once(num_tokens, top_k, num_experts):
+    """Decode-sized calls give every touched expert exactly one row block (so one read of its
+    weights) and untouched experts none; the grid's row blocks scale with the touched experts."""
+    block_m = grouped_pallas.default_block_sizes(num_tokens, top_k, num_experts, 2048, 768)["block_m"]
+    assert num_tokens * top_k <= grouped_pallas.DECODE_ROWS and 16 <= block_m <= 32
+    rng = np.random.RandomState(2)
+    ids = make_ids(rng, num_tokens, top_k, num_experts, "uniform")
+    g = grouped_pallas.group_by_expert(jnp.asarray(ids), num_experts, block_m)
+    block_expert = np.asarray(g.block_expert)
+    touched = np.unique(ids)
+    used = block_expert[block_expert >= 0]
+    np.testing.assert_array_equal(np.sort(used), touched)  # one block each, no others
+    # The grid is bounded by the touched experts, not by E (one token: exactly its k experts).
+    num_pairs = num_tokens * top_k
+    assert len(block_expert) <= min(num_experts, num_pairs) + -(-num_pairs // block_m)
+    if num_tokens == 1:
+        assert len(block_expert) == top_k
+
+
+@pytest.mark.parametrize("hidden, inter", [(2048, 768), (2880, 2880)])  # Qwen3-30B-A3B, GPT-OSS-20B
+@pytest.mark.parametrize("num_tokens, top_k, num_experts", [(1, 8, 128), (4096, 8, 128), (1, 4, 32),
+                                                            (4096, 4, 32), (64, 8, 128)])
+def test_default_block_sizes(hidden, inter, num_tokens, top_k, num_experts):
+    cfg = grouped_pallas.default_block_sizes(num_tokens, top_k, num_experts, hidden, inter)
+    if num_tokens == 1:
+        assert cfg["block_m"] == 16
+    if num_tokens == 4096:
+        assert cfg["block_m"] == 128
+    for kernel, (n_dim, k_dim) in (("gate_up", (inter, hidden)), ("down", (hidden, inter))):
+        c = cfg[kernel]
+        for b, dim in ((c["block_n"], n_dim), (c["block_k"], k_dim)):
+            assert b >= 16 and b & (b - 1) == 0
+            assert dim % b == 0  # the real models run without masking
+        assert c["num_warps"] in (4, 8) and 1 <= c["num_stages"] <= 4
+
+
+def test_rejects_bad_blocks_and_shapes():
+    x, ids, weights, params = make_case(2, 2, 4, 80, 48, jnp.float32)
+    with pytest.raises(ValueError, match="block_m"):
+        grouped_pallas.moe_mlp(x, ids, weights, **params, interpret=True, block_m=24)
+    with pytest.raises(ValueError, match="block_k"):
+        grouped_pallas.moe_mlp(x, ids, weights, **params, interpret=True, block_k=8)
+    with pytest.raises(ValueError, match="expert weights"):
+        grouped_pallas.moe_mlp(x, ids, weights, params["gate"], params["up"], params["gate"], interpret=True)
