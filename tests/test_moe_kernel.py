@@ -54,6 +54,8 @@ CASES = {
     # several row blocks per expert.
     "prefill-masked-blocks-gptoss-bias-f32": (100, 2, 8, 80, 48, jnp.float32, "gpt_oss", ALL_BIASES, "uneven",
                                               dict(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2)),
+    # H and I not multiples of 16: the default blocks cannot divide them, so every load is masked.
+    "odd-dims-gptoss-bias-f32": (5, 2, 4, 72, 40, jnp.float32, "gpt_oss", ALL_BIASES, "uniform", {}),
     "pow2-silu-bf16": (40, 2, 4, 64, 32, jnp.bfloat16, "silu", (), "uniform", {}),
     # A token picking one expert twice; only some of the biases.
     "duplicates-partial-bias-f32": (8, 3, 4, 80, 48, jnp.float32, "silu", ("up_bias", "down_bias"), "duplicates",

@@ -36,11 +36,12 @@ weight, bias and ``x`` loads past ``H``/``I`` are masked to zero and the two int
 padded (``I_pad``, ``H_pad``: whole blocks; the hidden's padding columns are written as zeros).
 
 **Decode** (``T * k <= 128``): ``block_m = clip(next_pow2(T), 16, 128)``. An expert gets at most ``T``
-rows (one per token whose top-k picked it), so every touched expert has exactly one row block, and its
-weights are read exactly once: each ``(I block, row block)`` / ``(H block, row block)`` program reads its
-expert's tile once, and the tiles of one expert are disjoint across the column grid. Untouched experts
-have no row block, so their weights are never read. This is the whole decode cost (weight bandwidth),
-and the narrow ``block_n`` (32) spreads it over enough programs to fill the GPU. **Prefill**:
+rows (top-k picks distinct experts: one row per token that chose it), so every touched expert has
+exactly one row block, and its weights are read exactly once: each ``(I block, row block)`` /
+``(H block, row block)`` program reads its expert's tile once, and the tiles of one expert are disjoint
+across the column grid. Untouched experts have no row block, so their weights are never read. That
+weight traffic is the whole decode cost, and the narrow ``block_n`` (32) spreads it over enough
+programs to fill the GPU. **Prefill**:
 ``block_m = clip(next_pow2(2 * N / E), 16, 128)``, about twice the mean expert load: small enough that
 padding stays cheap, large enough that most experts still take one block (weights read about once)
 and big loads get 128-row MMA tiles.
