@@ -1,12 +1,16 @@
 """Whole-model decode on the GPU through the engine's decode loop, next to its roofline and HF.
 
-A Llama-3-8B-shaped model with random bf16 weights (32 layers, hidden 4096, 32/8 heads, vocab 128256)
-decodes ``--steps`` tokens per device call at each (batch, context). The roofline of one step is the
-bytes it must read (all weights + every sequence's KV cache) over the copy bandwidth measured in the
-same run. HF transformers (PyTorch, eager, dynamic cache) runs the same shapes in a subprocess.
+A model with random bf16 weights decodes ``--steps`` tokens per device call at each (batch,
+context): ``--model llama3-8b`` (32 layers, hidden 4096, 32/8 heads, vocab 128256) or
+``--model qwen3-30b-a3b`` (48 layers, hidden 2048, 32/4 heads, 128 experts of width 768, top-8).
+The roofline of one step is the bytes it must read over the copy bandwidth measured in the same run:
+every dense weight, the experts the step's tokens touch (for MoE: the expected number of distinct
+experts when each token picks top-k uniformly at random, per layer), and every sequence's KV cache.
+HF transformers (PyTorch, eager, dynamic cache) runs the same dense shapes in a subprocess.
 
     PYTHONPATH=. python3 scripts/bench_decode.py                  # writes bench_decode.json to $OUT (or .)
     PYTHONPATH=. python3 scripts/bench_decode.py --layers 4       # a quicker, shallower model
+    PYTHONPATH=. python3 scripts/bench_decode.py --model qwen3-30b-a3b --batches 1 32 --contexts 512 --hf-batches
 """
 
 from __future__ import annotations
@@ -34,6 +38,52 @@ def llama3_8b_config(layers: int) -> dict:
                 low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192), dtype="bfloat16")
 
 
+def qwen3_30b_a3b_config(layers: int) -> dict:
+    return dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+                intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                norm_topk_prob=True, num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4,
+                head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, hidden_act="silu",
+                tie_word_embeddings=False, rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+                dtype="bfloat16")
+
+
+MODELS = {"llama3-8b": llama3_8b_config, "qwen3-30b-a3b": qwen3_30b_a3b_config}
+
+
+def _dense_and_expert_sizes(params, bytes_: bool) -> tuple[int, int]:
+    from flax import traverse_util
+
+    dense, experts = 0, 0
+    for path, x in traverse_util.flatten_dict(params).items():
+        size = x.size * (x.dtype.itemsize if bytes_ else 1)
+        if "experts" in path:
+            experts += size
+        else:
+            dense += size
+    return dense, experts
+
+
+def _expert_fraction(config, tokens: int) -> float:
+    """Expected share of each layer's experts that ``tokens`` tokens touch (uniform top-k routing)."""
+    num_experts, top_k = config.require("num_experts", "num_local_experts"), config.require("num_experts_per_tok")
+    return 1 - (1 - top_k / num_experts) ** tokens
+
+
+def step_weight_bytes(params, config, batch: int) -> float:
+    """Bytes of weights one decode step reads: dense weights whole, experts only where touched."""
+    dense, experts = _dense_and_expert_sizes(params, bytes_=True)
+    return dense + (experts * _expert_fraction(config, batch) if experts else 0)
+
+
+def matmul_params_per_token(params, config) -> float:
+    """Parameters each token multiplies with: dense ones (less the embedding lookup) and its top-k experts."""
+    dense, experts = _dense_and_expert_sizes(params, bytes_=False)
+    dense -= config.vocab_size * config.hidden_size
+    if experts:
+        dense += experts * config.require("num_experts_per_tok") / config.require("num_experts", "num_local_experts")
+    return dense
+
+
 def bench_jax(args, bandwidth, save):
     from jaxinfer.config import ModelConfig
     from jaxinfer.engine.aot import DECODE, MIXED, CompileKey
@@ -46,7 +96,7 @@ def bench_jax(args, bandwidth, save):
     from jaxinfer.sharding import make_mesh
     from jaxinfer.weights import init_params
 
-    config = ModelConfig.from_dict(llama3_8b_config(args.layers))
+    config = ModelConfig.from_dict(MODELS[args.model](args.layers))
     model_cls = ModelRegistry.resolve(config.architecture)
     params = init_params(model_cls, config, seed=0, dtype=jnp.bfloat16)
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
@@ -86,7 +136,7 @@ def bench_jax(args, bandwidth, save):
                 times.append(time.perf_counter() - start)
             assert (tokens >= 0).all()
             step = float(np.median(times)) / args.steps
-            read_bytes = weight_bytes + batch * (context + args.steps / 2) * kv_bytes_per_token
+            read_bytes = step_weight_bytes(params, config, batch) + batch * (context + args.steps / 2) * kv_bytes_per_token
             roofline = read_bytes / bandwidth
             rows.append({"batch": batch, "context": context, "ms_per_step": step * 1e3, "tok_per_s": batch / step,
                          "roofline_ms": roofline * 1e3, "x_roofline": step / roofline})
@@ -113,7 +163,7 @@ def bench_jax(args, bandwidth, save):
             engine.runner.run_mixed(key, items)
             times.append(time.perf_counter() - start)
         seconds = float(np.median(times))
-        matmul_flops = 2 * (weight_bytes / 2 - config.vocab_size * config.hidden_size) * batch * length
+        matmul_flops = 2 * matmul_params_per_token(params, config) * batch * length
         attention_flops = 4 * batch * length * length / 2 * config.num_attention_heads * config.head_dim * args.layers
         prefill_rows.append({"batch": batch, "prompt": length, "seconds": seconds, "tok_per_s": batch * length / seconds,
                              "tflops": (matmul_flops + attention_flops) / seconds / 1e12})
@@ -154,7 +204,8 @@ def bench_hf(layers, batches, context, new_tokens):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama3-8b")
+    parser.add_argument("--layers", type=int, default=None, help="default: the real model's depth")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
     parser.add_argument("--steps", type=int, default=32)
@@ -167,10 +218,12 @@ def main():
     parser.add_argument("--hf-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.prefill = [tuple(int(x) for x in shape.split("x")) for shape in args.prefill]
+    if args.layers is None:
+        args.layers = {"llama3-8b": 32, "qwen3-30b-a3b": 48}[args.model]
     if args.hf_only:
         print(json.dumps(bench_hf(args.layers, args.hf_batches, args.hf_context, args.steps)))
         return
-    result = {"environment": environment(), "layers": args.layers, "steps_per_call": args.steps}
+    result = {"environment": environment(), "model": args.model, "layers": args.layers, "steps_per_call": args.steps}
     if args.hf_batches:
         # PyTorch first, in its own process, so the two frameworks never share the GPU's memory.
         cmd = [sys.executable, __file__, "--hf-only", "--layers", str(args.layers), "--hf-context",
