@@ -8,7 +8,7 @@ every dense weight, the experts the step's tokens touch (for MoE: the expected n
 experts when each token picks top-k uniformly at random, per layer), and every sequence's KV cache.
 HF transformers (PyTorch, eager, dynamic cache) runs the same dense shapes in a subprocess.
 
-    PYTHONPATH=. python3 scripts/bench_decode.py                  # writes bench_decode.json to $OUT (or .)
+    PYTHONPATH=. python3 scripts/bench_decode.py                  # writes bench_decode.json to $JAXINFER_BENCH_DIR (or .)
     PYTHONPATH=. python3 scripts/bench_decode.py --layers 4       # a quicker, shallower model
     PYTHONPATH=. python3 scripts/bench_decode.py --model qwen3-30b-a3b --batches 1 32 --contexts 512 --hf-batches
 """

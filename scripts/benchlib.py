@@ -54,7 +54,7 @@ def environment() -> dict:
 
 
 def write_json(name: str, payload: dict) -> str:
-    directory = os.environ.get("OUT") or os.environ.get("JAXINFER_BENCH_DIR") or "."
+    directory = os.environ.get("JAXINFER_BENCH_DIR") or "."
     path = os.path.join(directory, name)
     with open(path, "w") as f:
         json.dump(payload, f, indent=2)

@@ -1,7 +1,7 @@
 """GPU proof for the attention kernels: parity against the references at realistic shapes, and
 benchmarks next to jax's own Pallas ops, cuDNN and the ceilings measured in the same run.
 
-    PYTHONPATH=. python3 scripts/gpu_check.py            # writes gpu_check.json to $OUT (or .)
+    PYTHONPATH=. python3 scripts/gpu_check.py            # writes gpu_check.json to $JAXINFER_BENCH_DIR (or .)
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 benchmarks next to XLA's ragged_dot, jax's Mosaic GPU ragged_dot_mgpu, the dense matmul rate and the
 copy bandwidth, all measured in the same run.
 
-    PYTHONPATH=. python3 scripts/moe_check.py             # writes moe_check.json to $OUT (or .)
+    PYTHONPATH=. python3 scripts/moe_check.py             # writes moe_check.json to $JAXINFER_BENCH_DIR (or .)
 """
 
 from __future__ import annotations
