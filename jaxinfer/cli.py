@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("make-tiny", help="write a tiny random checkpoint in HF format")
     t.add_argument("path")
-    t.add_argument("--family", default="llama", help="llama, mistral, qwen2 or qwen3")
+    t.add_argument("--family", default="llama", help="llama, mistral, qwen2, qwen3, qwen3_moe or minimax_m2")
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(func=cmd_make_tiny)
     return parser

@@ -38,6 +38,11 @@ TINY_FAMILIES: dict[str, dict] = {
                   sliding_window=None, max_window_layers=2),
     "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", attention_bias=False,
                   use_sliding_window=False, sliding_window=None, max_window_layers=2, tie_word_embeddings=True),
+    "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
+                      mlp_only_layers=[], use_sliding_window=False, sliding_window=None),
+    "minimax_m2": dict(architectures=["MiniMaxM2ForCausalLM"], model_type="minimax_m2", num_local_experts=8,
+                       num_experts_per_tok=2, rotary_dim=8),
 }
 
 
@@ -64,6 +69,23 @@ def _write_tokenizer(path: str) -> None:
     fast.save_pretrained(path)
 
 
+def _checkpoint_tensors(model_cls, config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
+    """Parameters under the checkpoint names the model's loader reads them from."""
+    from jaxinfer.weights import Stacked, Tensor
+
+    sources = model_cls.checkpoint_sources(config, params, set())
+    tensors = {}
+    for path, value in params.items():
+        value, source = np.asarray(value, np.float32), sources[path]
+        if isinstance(source, Tensor):
+            tensors[source.names[0]] = value
+        elif isinstance(source, Stacked):
+            tensors.update({name: value[i] for i, name in enumerate(source.names)})
+        else:
+            raise ValueError(f"cannot write {config.architecture} tiny checkpoints: {path} is derived on load")
+    return tensors
+
+
 def write_tiny_checkpoint(path: str | os.PathLike, family: str = "llama", *, seed: int = 0,
                           with_tokenizer: bool = True, **config_overrides) -> str:
     from safetensors.numpy import save_file
@@ -76,7 +98,7 @@ def write_tiny_checkpoint(path: str | os.PathLike, family: str = "llama", *, see
     config = ModelConfig.from_dict(raw)
     model_cls = ModelRegistry.resolve(config.architecture)
     params = traverse_util.flatten_dict(init_params(model_cls, config, seed))
-    tensors = {model_cls.path_to_checkpoint_name(p): np.asarray(v, np.float32) for p, v in params.items()}
+    tensors = _checkpoint_tensors(model_cls, config, params)
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(raw, f, indent=2)

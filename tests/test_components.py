@@ -125,14 +125,15 @@ def test_logprobs_are_log_softmax():
     np.testing.assert_allclose(sampled, ref[np.arange(2), np.asarray(tokens)], rtol=1e-6)
 
 
-def test_tiny_checkpoint_loads_in_transformers(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "minimax_m2"])
+def test_tiny_checkpoint_loads_in_transformers(tmp_path, family):
     import torch
     from transformers import AutoModelForCausalLM
 
     from jaxinfer import load_model
     from jaxinfer.tiny import write_tiny_checkpoint
 
-    path = write_tiny_checkpoint(tmp_path / "q3", "qwen3")
+    path = write_tiny_checkpoint(tmp_path / family, family)
     hf = AutoModelForCausalLM.from_pretrained(path).eval()
     ids = [1, 50, 60, 70, 80]
     with torch.no_grad():
