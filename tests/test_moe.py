@@ -137,3 +137,25 @@ def test_moe_mlp_matches_a_loop_over_tokens(activation):
                                       jnp.asarray(up[ex] @ x[token] + biases[1][ex]), activation)
             want[token] += weights[token, slot] * (down[ex] @ np.asarray(hidden) + biases[2][ex])
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
+
+
+def test_moe_checkpoint_errors_name_the_tensor_and_key(tmp_path):
+    import json
+
+    from jaxinfer import CheckpointError, ConfigError
+    from jaxinfer.tiny import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", with_tokenizer=False)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    del tensors["model.layers.1.mlp.experts.3.up_proj.weight"]
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"missing tensors: model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight"):
+        load_model(path)
+
+    with open(os.path.join(path, "config.json")) as f:
+        raw = json.load(f)
+    del raw["num_experts"]
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(raw, f)
+    with pytest.raises(ConfigError, match="'num_experts' or 'num_local_experts'"):
+        load_model(path)
