@@ -84,10 +84,11 @@ def test_filter_matches_reference(top_k, top_p, min_p):
 _sample = jax.jit(sample, static_argnums=2)
 
 
-def _batch(n, temperature, seed=0, counter=0, top_k=0):
+def _batch(n, temperature, seed=0, counter=0, top_k=0, logprobs=False):
     return SamplingBatch(jnp.full(n, temperature, jnp.float32), jnp.full(n, top_k, jnp.int32),
                          jnp.ones(n, jnp.float32), jnp.zeros(n, jnp.float32),
-                         jnp.asarray(np.stack([seed_key_data(seed)] * n)), jnp.full(n, counter, jnp.int32))
+                         jnp.asarray(np.stack([seed_key_data(seed)] * n)), jnp.full(n, counter, jnp.int32),
+                         jnp.full(n, logprobs))
 
 
 def test_sampler_greedy_and_seeded():
@@ -119,10 +120,13 @@ def test_sampler_distribution():
 
 def test_logprobs_are_log_softmax():
     logits = jnp.asarray(np.random.RandomState(3).randn(2, 20).astype(np.float32))
-    tokens, (sampled, top_ids, top_values) = _sample(logits, _batch(2, 0.0), 3)
+    tokens, (sampled, top_ids, top_values) = _sample(logits, _batch(2, 0.0, logprobs=True), 3)
     ref = np.asarray(jax.nn.log_softmax(logits, -1))
     np.testing.assert_allclose(top_values, np.sort(ref, -1)[:, ::-1][:, :3], rtol=1e-6)
     np.testing.assert_allclose(sampled, ref[np.arange(2), np.asarray(tokens)], rtol=1e-6)
+    # Nobody asked: the computation is skipped.
+    _, (sampled, _, top_values) = _sample(logits, _batch(2, 0.0, logprobs=False), 3)
+    assert not np.asarray(sampled).any() and not np.asarray(top_values).any()
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "minimax_m2"])

@@ -45,12 +45,14 @@ def _sampling_rows(requests: list[Request], num_rows: int) -> SamplingBatch:
     min_p = np.zeros(num_rows, np.float32)
     key_data = np.zeros((num_rows, 2), np.uint32)
     counters = np.zeros(num_rows, np.int32)
+    wants_logprobs = np.zeros(num_rows, bool)
     for i, r in enumerate(requests):
         p = r.params
         temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, max(p.top_k, 0), p.top_p, p.min_p
         key_data[i] = seed_key_data(r.seed)
         counters[i] = len(r.output_token_ids)
-    return SamplingBatch(temperature, top_k, top_p, min_p, key_data, counters)
+        wants_logprobs[i] = bool(p.logprobs)
+    return SamplingBatch(temperature, top_k, top_p, min_p, key_data, counters, wants_logprobs)
 
 
 class ModelRunner:

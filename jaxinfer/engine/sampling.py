@@ -68,6 +68,7 @@ class SamplingBatch:
     min_p: jax.Array  # [S] float32
     key_data: jax.Array  # [S, 2] uint32: raw threefry keys from each request's seed
     counters: jax.Array  # [S] int32: index of the token being sampled within its request's output
+    wants_logprobs: jax.Array  # [S] bool
 
 
 def seed_key_data(seed: int) -> np.ndarray:
@@ -96,7 +97,9 @@ def sample(logits, batch: SamplingBatch, num_logprobs: int = 0):
     """logits [S, V] float32 -> (tokens [S] int32, logprobs or None).
 
     ``logprobs`` (when ``num_logprobs > 0``) is ``(sampled [S], top_ids [S, N], top_values [S, N])``
-    from the log-softmax of the raw logits (before temperature and filters).
+    from the log-softmax of the raw logits (before temperature and filters); zeros when no row
+    asked for them. The filters, the random draw and the logprobs each run only when some row of
+    the batch needs them (``lax.cond``), so an all-greedy decode step pays for none of them.
     """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     temperature = jnp.where(batch.temperature > 0, batch.temperature, 1.0)
@@ -108,11 +111,25 @@ def sample(logits, batch: SamplingBatch, num_logprobs: int = 0):
         key = jax.random.fold_in(jax.random.wrap_key_data(key_data), counter)
         return jax.random.categorical(key, row)
 
-    drawn = jax.vmap(draw)(batch.key_data, batch.counters, scaled).astype(jnp.int32)
+    drawn = jax.lax.cond(
+        jnp.any(batch.temperature > 0),
+        lambda x: jax.vmap(draw)(batch.key_data, batch.counters, x).astype(jnp.int32),
+        lambda x: greedy,
+        scaled,
+    )
     tokens = jnp.where(batch.temperature > 0, drawn, greedy)
     if num_logprobs <= 0:
         return tokens, None
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    top_values, top_ids = jax.lax.top_k(logp, num_logprobs)
-    sampled = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
-    return tokens, (sampled, top_ids.astype(jnp.int32), top_values)
+
+    def logprobs(logits):
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        top_values, top_ids = jax.lax.top_k(logp, num_logprobs)
+        sampled = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+        return sampled, top_ids.astype(jnp.int32), top_values
+
+    def none(logits):
+        rows = logits.shape[0]
+        return (jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, num_logprobs), jnp.int32),
+                jnp.zeros((rows, num_logprobs), jnp.float32))
+
+    return tokens, jax.lax.cond(jnp.any(batch.wants_logprobs), logprobs, none, logits)
