@@ -28,11 +28,19 @@ SCRIPT = textwrap.dedent("""
     one = LLM(path, **options).generate(prompt_token_ids=[ids, ids[:4]], sampling_params=params)
     two = LLM(path, mesh=mesh, **options).generate(prompt_token_ids=[ids, ids[:4]], sampling_params=params)
     assert [o.token_ids for o in one] == [o.token_ids for o in two]
+
+    # Experts split whole over the same axis (expert parallelism).
+    moe_path = write_tiny_checkpoint(sys.argv[1] + "-moe", "qwen3_moe", with_tokenizer=False,
+                                     max_position_embeddings=64)
+    moe = load_model(moe_path, mesh=mesh)
+    experts = moe.params["model"]["layers_0"]["mlp"]["experts"]["gate_proj"]
+    assert experts.sharding.spec[0] == "model" and len(experts.sharding.device_set) == 2
+    np.testing.assert_allclose(moe.logits(ids), load_model(moe_path).logits(ids), atol=1e-5)
     print("ok")
 """)
 
 
-def test_tensor_parallel_matches_single_device(tmp_path):
+def test_tensor_and_expert_parallel_match_single_device(tmp_path):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     result = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "ckpt")], env=env, capture_output=True,
                             text=True, timeout=600)

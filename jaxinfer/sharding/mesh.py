@@ -2,8 +2,9 @@
 
 Tensor parallelism splits attention heads and MLP width over ``"model"``: column-parallel
 projections (q/k/v, gate/up) split their output features, row-parallel ones (o, down) their input
-features, embeddings and the LM head their vocabulary. A dimension that does not divide evenly stays
-replicated. One device is simply a 1x1 mesh.
+features, embeddings and the LM head their vocabulary. Stacked MoE experts are split whole over the
+same axis (expert parallelism). A dimension that does not divide evenly stays replicated. One
+device is simply a 1x1 mesh.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 _RULES: tuple[tuple[re.Pattern, P], ...] = tuple(
     (re.compile(pattern), spec)
     for pattern, spec in (
+        (r"experts/(gate_proj|up_proj|down_proj)$", P("model", None, None)),
+        (r"experts/(gate_proj|up_proj|down_proj)_bias$", P("model", None)),
         (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)/weight$", P("model", None)),
         (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)/bias$", P("model")),
         (r"(o_proj|down_proj)/weight$", P(None, "model")),
