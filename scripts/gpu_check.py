@@ -62,15 +62,23 @@ def decode_parity():
     return results
 
 
+# (batch, context) of the decode benchmarks: 32 q / 8 kv heads, d 128, pages of 16, bf16.
+DECODE_SHAPES = ((1, 4096), (32, 4096), (128, 2048))
+
+
+def _decode_benchmark_case(batch, context):
+    q, k, v, tables, lengths = _paged_case(batch, 32, 8, 128, 16, context, jnp.bfloat16, ragged=False)
+    return (q, k, v, tables, lengths), 2 * batch * context * 8 * 128 * 2  # inputs, K+V bytes read
+
+
 def decode_benchmarks(bandwidth):
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as jax_paged_attention
 
     rows = []
-    for batch, context in ((1, 4096), (32, 4096), (128, 2048)):
-        q, k, v, tables, lengths = _paged_case(batch, 32, 8, 128, 16, context, jnp.bfloat16, ragged=False)
-        kv_bytes = 2 * batch * context * 8 * 128 * 2
-        ours = device_time(functools.partial(paged_decode_attention, scale=128**-0.5), q, k, v, tables, lengths)
-        theirs = device_time(jax_paged_attention, q, k, v, tables, lengths)
+    for batch, context in DECODE_SHAPES:
+        inputs, kv_bytes = _decode_benchmark_case(batch, context)
+        ours = device_time(functools.partial(paged_decode_attention, scale=128**-0.5), *inputs)
+        theirs = device_time(jax_paged_attention, *inputs)
         rows.append({
             "batch": batch, "context": context, "bytes": kv_bytes,
             "ours_us": ours * 1e6, "ours_bw_fraction": kv_bytes / ours / bandwidth,
@@ -87,17 +95,16 @@ def decode_sweep(bandwidth):
     from jaxinfer.kernels.attention.decode_pallas import default_blocking
 
     out = []
-    for batch, context in ((1, 4096), (32, 4096), (128, 2048)):
-        q, k, v, tables, lengths = _paged_case(batch, 32, 8, 128, 16, context, jnp.bfloat16, ragged=False)
-        kv_bytes = 2 * batch * context * 8 * 128 * 2
-        _, auto_splits = default_blocking(batch, 8, tables.shape[1], 16, 128, 2)
+    for batch, context in DECODE_SHAPES:
+        inputs, kv_bytes = _decode_benchmark_case(batch, context)
+        _, auto_splits = default_blocking(batch, 8, inputs[3].shape[1], 16, 128, 2)
         best = None
         for block_tokens, split_factor, warps, stages in itertools.product((64, 128), (0.5, 1, 2), (4, 8), (2, 3)):
             splits = max(1, int(auto_splits * split_factor))
             fn = functools.partial(paged_decode_attention, scale=128**-0.5, block_tokens=block_tokens,
                                    num_splits=splits, num_warps=warps, num_stages=stages)
             try:
-                seconds = device_time(fn, q, k, v, tables, lengths, iters=20, repeats=3)
+                seconds = device_time(fn, *inputs, iters=20, repeats=3)
             except Exception as e:  # a configuration that does not fit (shared memory, registers)
                 out.append({"batch": batch, "block_tokens": block_tokens, "error": str(e)[:200]})
                 continue

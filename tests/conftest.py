@@ -70,3 +70,21 @@ def tiny_llama_dir(tmp_path_factory):
 def random_prompts(lengths, vocab_size=160, seed=0):
     rng = np.random.RandomState(seed)
     return [rng.randint(3, vocab_size, size=n).tolist() for n in lengths]
+
+
+def assert_greedy_matches_hf(path, hf_model, prompts, max_tokens=16, max_num_seqs=4):
+    """Greedy tokens from our engine (float32, small buckets) equal HF ``generate``'s, prompt by prompt."""
+    import torch
+
+    from jaxinfer import LLM, SamplingParams
+
+    llm = LLM(path, dtype="float32", max_model_len=64, max_num_seqs=max_num_seqs, max_num_batched_tokens=32,
+              page_size=8, warmup=False, show_progress=False)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                                                 ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                    do_sample=False, pad_token_id=0)
+        assert out.token_ids == ref[0, len(prompt):].tolist()
+        assert out.finish_reason == "length"

@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
-from jaxinfer import LLM, SamplingParams, load_model
+from jaxinfer import load_model
 from jaxinfer.kernels.moe import gated_activation, moe_mlp
 from jaxinfer.models.gpt_oss import FP4_VALUES, dequantize_mxfp4
 from jaxinfer.models.layers.moe import MoESpec, route
-from tests.conftest import make_hf_checkpoint, random_prompts
+from tests.conftest import assert_greedy_matches_hf, make_hf_checkpoint, random_prompts
 
 MOE = dict(head_dim=16, intermediate_size=48)
 CASES = {
@@ -41,16 +41,7 @@ def test_logits_and_greedy_tokens_match_hf(case, hf_checkpoint):
         ref = hf_model(torch.tensor([ids])).logits[0].numpy()
     np.testing.assert_allclose(load_model(path, dtype="float32").logits(ids), ref, atol=1e-4, rtol=0)
 
-    prompts = random_prompts([9, 26], seed=2)
-    llm = LLM(path, dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, page_size=8,
-              warmup=False, show_progress=False)
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=16,
-                                                                                 ignore_eos=True))
-    for prompt, out in zip(prompts, outs):
-        with torch.no_grad():
-            hf = hf_model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                                   pad_token_id=0)
-        assert out.token_ids == hf[0, len(prompt):].tolist()
+    assert_greedy_matches_hf(path, hf_model, random_prompts([9, 26], seed=2), max_num_seqs=2)
 
 
 def _quantize_mxfp4(rng, experts, rows, cols):

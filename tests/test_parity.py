@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from jaxinfer import LLM, SamplingParams, load_model
-from tests.conftest import random_prompts
+from jaxinfer import load_model
+from tests.conftest import assert_greedy_matches_hf, random_prompts
 
 CASES = {
     "llama-gqa": ("llama", {}),
@@ -53,14 +53,4 @@ def test_full_forward_logits_match_hf(case, hf_checkpoint):
 def test_greedy_tokens_match_hf_generate(case, hf_checkpoint):
     family, overrides = CASES[case]
     path, hf_model = hf_checkpoint(family, **overrides)
-    prompts = random_prompts([7, 21, 30], seed=2)
-    llm = LLM(path, dtype="float32", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, page_size=8,
-              warmup=False, show_progress=False)
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=16,
-                                                                                 ignore_eos=True))
-    for prompt, out in zip(prompts, outs):
-        with torch.no_grad():
-            ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                                    pad_token_id=0)
-        assert out.token_ids == ref[0, len(prompt):].tolist()
-        assert out.finish_reason == "length"
+    assert_greedy_matches_hf(path, hf_model, random_prompts([7, 21, 30], seed=2))

@@ -46,8 +46,9 @@ def _expert_sources(prefix: str, available: set[str]) -> dict[str, object]:
     if f"{gate_up}_blocks" in available:  # MXFP4: rows are output features already ([E, 2I, H], [E, H, I])
         names = [f"{gate_up}_blocks", f"{gate_up}_scales"]
         rows = lambda b, s: (b[0], b[1] // 2, b[2] * b[3] * 2)  # noqa: E731
-        sources["gate_proj"] = Derived(names, lambda b, s: dequantize_mxfp4(b, s)[:, 0::2], rows)
-        sources["up_proj"] = Derived(names, lambda b, s: dequantize_mxfp4(b, s)[:, 1::2], rows)
+        # Rows quantise independently: slice first, so each parameter dequantises only its own half.
+        sources["gate_proj"] = Derived(names, lambda b, s: dequantize_mxfp4(b[:, 0::2], s[:, 0::2]), rows)
+        sources["up_proj"] = Derived(names, lambda b, s: dequantize_mxfp4(b[:, 1::2], s[:, 1::2]), rows)
         sources["down_proj"] = Derived([f"{down}_blocks", f"{down}_scales"], dequantize_mxfp4,
                                        lambda b, s: (b[0], b[1], b[2] * b[3] * 2))
     else:  # [E, H, 2I] and [E, I, H], used as x @ W
