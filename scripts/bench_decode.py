@@ -120,7 +120,9 @@ def bench_jax(args, bandwidth, save):
             requests = []
             for i in range(batch):
                 r = Request(i, [1] * context, greedy, seed=i, stop_ids=(), max_output_tokens=args.steps + 1)
-                r.output_token_ids = [1]
+                # A token of its own per sequence: identical inputs would route every sequence of a
+                # MoE model to the same experts and read far fewer expert bytes than real traffic.
+                r.output_token_ids = [1 + i]
                 r.num_computed = context
                 r.pages = engine.scheduler.allocator.allocate(-(-(context + args.steps) // engine.layout.page_size))
                 requests.append(r)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from benchlib import copy_bandwidth, device_time, environment, matmul_rate, write_json  # noqa: E402
+from benchlib import copy_bandwidth, device_time, environment, matmul_rate, timer_overhead, write_json  # noqa: E402
 
 from jaxinfer.kernels.attention import reference  # noqa: E402
 from jaxinfer.kernels.attention.decode_pallas import paged_decode_attention  # noqa: E402
@@ -77,8 +77,8 @@ def decode_benchmarks(bandwidth):
     rows = []
     for batch, context in DECODE_SHAPES:
         inputs, kv_bytes = _decode_benchmark_case(batch, context)
-        ours = device_time(functools.partial(paged_decode_attention, scale=128**-0.5), *inputs)
-        theirs = device_time(jax_paged_attention, *inputs)
+        ours = device_time(functools.partial(paged_decode_attention, scale=128**-0.5), *inputs, unroll=10)
+        theirs = device_time(jax_paged_attention, *inputs, unroll=10)
         rows.append({
             "batch": batch, "context": context, "bytes": kv_bytes,
             "ours_us": ours * 1e6, "ours_bw_fraction": kv_bytes / ours / bandwidth,
@@ -89,7 +89,7 @@ def decode_benchmarks(bandwidth):
 
 
 def decode_sweep(bandwidth):
-    """Block size, split count, warps and stages around the defaults, per benchmark shape."""
+    """Block size, split count and stages around the defaults, per benchmark shape."""
     import itertools
 
     from jaxinfer.kernels.attention.decode_pallas import default_blocking
@@ -97,25 +97,71 @@ def decode_sweep(bandwidth):
     out = []
     for batch, context in DECODE_SHAPES:
         inputs, kv_bytes = _decode_benchmark_case(batch, context)
-        _, auto_splits = default_blocking(batch, 8, inputs[3].shape[1], 16, 128, 2)
         best = None
-        for block_tokens, split_factor, warps, stages in itertools.product((64, 128), (0.5, 1, 2), (4, 8), (2, 3)):
+        for block_tokens, split_factor, stages in itertools.product((64, 128), (1, 2), (2, 3)):
+            _, auto_splits = default_blocking(batch, 8, inputs[3].shape[1] * 16 // block_tokens, block_tokens, 128, 2)
             splits = max(1, int(auto_splits * split_factor))
             fn = functools.partial(paged_decode_attention, scale=128**-0.5, block_tokens=block_tokens,
-                                   num_splits=splits, num_warps=warps, num_stages=stages)
+                                   num_splits=splits, num_stages=stages)
             try:
-                seconds = device_time(fn, *inputs, iters=20, repeats=3)
+                seconds = device_time(fn, *inputs, iters=20, repeats=3, unroll=10)
             except Exception as e:  # a configuration that does not fit (shared memory, registers)
                 out.append({"batch": batch, "block_tokens": block_tokens, "error": str(e)[:200]})
                 continue
             row = {"batch": batch, "context": context, "block_tokens": block_tokens, "num_splits": splits,
-                   "num_warps": warps, "num_stages": stages, "us": seconds * 1e6,
-                   "bw_fraction": kv_bytes / seconds / bandwidth}
+                   "num_stages": stages, "us": seconds * 1e6, "bw_fraction": kv_bytes / seconds / bandwidth}
             out.append(row)
             if best is None or row["us"] < best["us"]:
                 best = row
         print("best", best, flush=True)
     return out
+
+
+def prefill_sweep(flops_rate):
+    """Causal 1 x 8192 (32 heads): block sizes, stages and the page size."""
+    import itertools
+
+    from jaxinfer.kernels.attention.prefill_pallas import ragged_paged_attention
+
+    out = []
+    batch, seq_len, heads = 1, 8192, 32
+    flops = 4 * batch * heads * seq_len * seq_len * 128 / 2
+    for page_size in (16, 128):
+        q, k, v, md = packed_sequences(batch, seq_len, heads, heads, 128, page_size, jnp.bfloat16)
+        for (block_q, warps), block_k, stages in itertools.product(((64, 4), (128, 8)), (64, 128), (2, 3)):
+            fn = functools.partial(ragged_paged_attention, scale=128**-0.5, block_q=block_q, block_k=block_k,
+                                   num_warps=warps, num_stages=stages)
+            try:
+                seconds = device_time(fn, q, k, v, md, iters=5, repeats=3)
+            except Exception as e:
+                out.append({"page_size": page_size, "block_q": block_q, "block_k": block_k, "error": str(e)[:200]})
+                continue
+            out.append({"page_size": page_size, "block_q": block_q, "block_k": block_k, "num_warps": warps,
+                        "num_stages": stages, "tflops": flops / seconds / 1e12,
+                        "fraction_of_matmul": flops / seconds / flops_rate})
+        best = max((r for r in out if "tflops" in r and r["page_size"] == page_size), key=lambda r: r["tflops"])
+        print("best", best, flush=True)
+    return out
+
+
+def packed_sequences(batch, seq_len, heads, kv_heads, head_dim, page_size, dtype, seed=0):
+    """``batch`` whole prompts of ``seq_len`` tokens packed in one ragged step."""
+    from jaxinfer.cache.metadata import AttentionMetadata
+
+    key = jax.random.PRNGKey(seed)
+    k1, k2, k3 = jax.random.split(key, 3)
+    pages = seq_len // page_size
+    perm = np.random.RandomState(seed).permutation(batch * pages).reshape(batch, pages)
+    k = jax.random.normal(k1, (kv_heads, batch * pages, page_size, head_dim), dtype)
+    v = jax.random.normal(k2, (kv_heads, batch * pages, page_size, head_dim), dtype)
+    q = jax.random.normal(k3, (batch * seq_len, heads, head_dim), dtype)
+    positions = jnp.tile(jnp.arange(seq_len, dtype=jnp.int32), batch)
+    seq_ids = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), seq_len)
+    slots = jnp.asarray(perm, jnp.int32)[seq_ids, positions // page_size] * page_size + positions % page_size
+    md = AttentionMetadata(positions=positions, slot_mapping=slots, token_seq_ids=seq_ids,
+                           block_tables=jnp.asarray(perm, jnp.int32), seq_lens=jnp.full((batch,), seq_len, jnp.int32),
+                           logits_indices=(jnp.arange(batch, dtype=jnp.int32) + 1) * seq_len - 1)
+    return q, k, v, md
 
 
 def prefill_checks(flops_rate):
@@ -124,25 +170,7 @@ def prefill_checks(flops_rate):
         return {"skipped": "no prefill kernel"}
     from jax.experimental.pallas.ops.gpu.attention import mha as jax_mha
 
-    from jaxinfer.cache.metadata import AttentionMetadata
     from jaxinfer.kernels.attention.prefill_pallas import ragged_paged_attention
-
-    def packed_sequences(batch, seq_len, heads, kv_heads, head_dim, page_size, dtype, seed=0):
-        """``batch`` whole prompts of ``seq_len`` tokens packed in one ragged step."""
-        key = jax.random.PRNGKey(seed)
-        k1, k2, k3 = jax.random.split(key, 3)
-        pages = seq_len // page_size
-        perm = np.random.RandomState(seed).permutation(batch * pages).reshape(batch, pages)
-        k = jax.random.normal(k1, (kv_heads, batch * pages, page_size, head_dim), dtype)
-        v = jax.random.normal(k2, (kv_heads, batch * pages, page_size, head_dim), dtype)
-        q = jax.random.normal(k3, (batch * seq_len, heads, head_dim), dtype)
-        positions = jnp.tile(jnp.arange(seq_len, dtype=jnp.int32), batch)
-        seq_ids = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), seq_len)
-        slots = jnp.asarray(perm, jnp.int32)[seq_ids, positions // page_size] * page_size + positions % page_size
-        md = AttentionMetadata(positions=positions, slot_mapping=slots, token_seq_ids=seq_ids,
-                               block_tables=jnp.asarray(perm, jnp.int32), seq_lens=jnp.full((batch,), seq_len, jnp.int32),
-                               logits_indices=(jnp.arange(batch, dtype=jnp.int32) + 1) * seq_len - 1)
-        return q, k, v, md
 
     out = {"parity": [], "benchmarks": []}
     cases = ((2, 700, 32, 8, 128, 16, {}), (3, 512, 16, 16, 64, 32, {"sliding_window": 200}),
@@ -189,19 +217,26 @@ def main():
     parser.add_argument("--skip-prefill", action="store_true")
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="also sweep decode kernel block sizes")
+    parser.add_argument("--sweep-prefill", action="store_true", help="also sweep prefill kernel block sizes")
     args = parser.parse_args()
     result = {"environment": environment()}
     result["copy_bandwidth_TBps"] = copy_bandwidth() / 1e12
     result["bf16_matmul_TFLOPs"] = matmul_rate() / 1e12
+    result["timer_overhead_us"] = timer_overhead() * 1e6
+    result["timer_overhead_unrolled_us"] = timer_overhead(unroll=10) * 1e6
     print(result, flush=True)
     if not args.skip_decode:
         result["decode_parity"] = decode_parity()
         print("decode parity ok:", all(r["ok"] for r in result["decode_parity"]), flush=True)
         result["decode_benchmarks"] = decode_benchmarks(result["copy_bandwidth_TBps"] * 1e12)
     if args.sweep:
+        write_json("gpu_check.json", result)
         result["decode_sweep"] = decode_sweep(result["copy_bandwidth_TBps"] * 1e12)
     if not args.skip_prefill:
         result["prefill"] = prefill_checks(result["bf16_matmul_TFLOPs"] * 1e12)
+    if args.sweep_prefill:
+        write_json("gpu_check.json", result)
+        result["prefill_sweep"] = prefill_sweep(result["bf16_matmul_TFLOPs"] * 1e12)
     print("wrote", write_json("gpu_check.json", result))
 
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from benchlib import copy_bandwidth, device_time, environment, matmul_rate, write_json  # noqa: E402
+from benchlib import copy_bandwidth, device_time, environment, matmul_rate, timer_overhead, write_json  # noqa: E402
 
 from jaxinfer.kernels.moe import reference  # noqa: E402
 from jaxinfer.kernels.moe import grouped_pallas  # noqa: E402
@@ -47,7 +47,8 @@ def parity():
             ref = reference.moe_mlp(x.astype(jnp.float32), ids, weights.astype(jnp.float32),
                                     **{k: v.astype(jnp.float32) for k, v in params.items()},
                                     activation=shape["activation"])
-            out = grouped_pallas.moe_mlp(x, ids, weights, **params, activation=shape["activation"])
+            out = grouped_pallas.moe_mlp(x, ids, weights, **params, activation=shape["activation"],
+                                         distinct_experts=True)
             err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)) / (jnp.max(jnp.abs(ref)) + 1e-6))
             rows.append({"shape": name, "tokens": tokens, "max_rel_err": err, "ok": bool(err < 3e-2)})
             print(rows[-1], flush=True)
@@ -60,8 +61,9 @@ def benchmarks(bandwidth, flops_rate):
         act = shape["activation"]
         for tokens in (1, 8, 64, 4096):
             x, ids, weights, params = make(shape, tokens)
-            ours = device_time(lambda x, ids, weights, p: grouped_pallas.moe_mlp(x, ids, weights, **p, activation=act),
-                               x, ids, weights, params, iters=20)
+            ours = device_time(lambda x, ids, weights, p: grouped_pallas.moe_mlp(x, ids, weights, **p, activation=act,
+                                                                                  distinct_experts=True),
+                               x, ids, weights, params, iters=20, unroll=1 if tokens >= 1024 else 10)
             row = {"shape": name, "tokens": tokens, "ours_us": ours * 1e6}
             if tokens >= 1024:
                 flops = 2 * tokens * shape["top_k"] * shape["hidden"] * shape["inter"] * 3
@@ -106,13 +108,79 @@ def _mgpu(shape, x, ids, params, flops):
     return {"mgpu_bare_matmuls_tflops": flops / seconds / 1e12}
 
 
+def prefill_sweep(flops_rate):
+    """4096 tokens: launch parameters of each kernel (the other at its default), and block_m."""
+    from jaxinfer.kernels.moe.grouped_pallas import KernelTuning
+
+    gate_up = [KernelTuning(64, 64, 8, 3), KernelTuning(64, 64, 4, 4), KernelTuning(128, 64, 8, 3),
+               KernelTuning(128, 64, 8, 4), KernelTuning(128, 32, 8, 4), KernelTuning(64, 128, 8, 2)]
+    down = [KernelTuning(128, 64, 8, 3), KernelTuning(128, 64, 4, 4), KernelTuning(256, 64, 8, 3),
+            KernelTuning(128, 128, 8, 2), KernelTuning(128, 64, 8, 4), KernelTuning(64, 64, 4, 4)]
+    rows = []
+    for name, shape in SHAPES.items():
+        act = shape["activation"]
+        x, ids, weights, params = make(shape, 4096)
+        flops = 2 * 4096 * shape["top_k"] * shape["hidden"] * shape["inter"] * 3
+        configs = [dict(gate_up_tuning=g) for g in gate_up] + [dict(down_tuning=d) for d in down]
+        configs += [dict(block_m=64), dict(block_m=64, gate_up_tuning=KernelTuning(128, 64, 8, 3))]
+        for cfg in configs:
+            fn = lambda x, ids, w, p, cfg=cfg: grouped_pallas.moe_mlp(x, ids, w, **p, activation=act, distinct_experts=True,  # noqa: E731
+                                                                       **cfg)
+            try:
+                seconds = device_time(fn, x, ids, weights, params, iters=10, repeats=3)
+            except Exception as e:
+                rows.append({"shape": name, "config": repr(cfg), "error": str(e)[:200]})
+                continue
+            rows.append({"shape": name, "config": repr(cfg), "tflops": flops / seconds / 1e12,
+                         "fraction_of_dense": flops / seconds / flops_rate})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def decode_sweep(bandwidth):
+    """1 and 8 tokens: launch parameters of each kernel at decode sizes (the other at its default)."""
+    from jaxinfer.kernels.moe.grouped_pallas import KernelTuning
+
+    configs = [{}, dict(down_tuning=KernelTuning(64, 128, 4, 4)), dict(down_tuning=KernelTuning(32, 256, 4, 3)),
+               dict(gate_up_tuning=KernelTuning(32, 256, 4, 3)), dict(gate_up_tuning=KernelTuning(16, 128, 4, 4)),
+               dict(down_tuning=KernelTuning(16, 128, 4, 4))]
+    rows = []
+    for name, shape in SHAPES.items():
+        act = shape["activation"]
+        for tokens in (1, 8):
+            x, ids, weights, params = make(shape, tokens)
+            expert_bytes = len(np.unique(np.asarray(ids))) * 3 * shape["hidden"] * shape["inter"] * 2
+            for cfg in configs:
+                fn = lambda x, ids, w, p, cfg=cfg: grouped_pallas.moe_mlp(x, ids, w, **p, activation=act, distinct_experts=True,  # noqa: E731
+                                                                       **cfg)
+                seconds = device_time(fn, x, ids, weights, params, iters=20, repeats=3, unroll=10)
+                rows.append({"shape": name, "tokens": tokens, "config": repr(cfg), "us": seconds * 1e6,
+                             "bw_fraction": expert_bytes / seconds / bandwidth})
+                print(rows[-1], flush=True)
+    return rows
+
+
 def main():
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sweep", action="store_true", help="also sweep the prefill launch parameters")
+    parser.add_argument("--sweep-decode", action="store_true", help="also sweep the decode launch parameters")
+    parser.add_argument("--skip-parity", action="store_true")
+    args = parser.parse_args()
     result = {"environment": environment(), "copy_bandwidth_TBps": copy_bandwidth() / 1e12,
-              "bf16_matmul_TFLOPs": matmul_rate() / 1e12}
+              "bf16_matmul_TFLOPs": matmul_rate() / 1e12, "timer_overhead_unrolled_us": timer_overhead(unroll=10) * 1e6}
     print(result, flush=True)
-    result["parity"] = parity()
-    write_json("moe_check.json", result)
+    if not args.skip_parity:
+        result["parity"] = parity()
+        write_json("moe_check.json", result)
     result["benchmarks"] = benchmarks(result["copy_bandwidth_TBps"] * 1e12, result["bf16_matmul_TFLOPs"] * 1e12)
+    if args.sweep_decode:
+        write_json("moe_check.json", result)
+        result["decode_sweep"] = decode_sweep(result["copy_bandwidth_TBps"] * 1e12)
+    if args.sweep:
+        write_json("moe_check.json", result)
+        result["prefill_sweep"] = prefill_sweep(result["bf16_matmul_TFLOPs"] * 1e12)
     print("wrote", write_json("moe_check.json", result))
 
 

@@ -62,5 +62,17 @@ def test_bfloat16_and_default_blocking():
 def test_default_blocking_fills_the_gpu():
     # ~32 KiB K blocks; one long sequence is split across many programs, many sequences are not.
     assert default_blocking(1, 8, 256, 16, 128, 2) == (128, 32)
-    assert default_blocking(128, 8, 128, 16, 128, 2) == (128, 1)
+    assert default_blocking(128, 8, 128, 16, 128, 2) == (64, 1)
     assert default_blocking(4, 1, 16, 128, 256, 4) == (32, 64)
+
+
+@pytest.mark.parametrize("num_splits, head_dim", [(3, 64), (40, 128)])
+def test_uneven_and_many_splits(num_splits, head_dim):
+    # 3 splits do not divide the 10 blocks (the table is padded); 40 splits leave the combine more
+    # partial results than one program holds (the jnp merge takes over).
+    q, k, v, tables, lens = _case(3, 8, 2, head_dim, 16, 40, [1, 333, 640], jnp.float32, seed=3)
+    sinks = jnp.asarray(np.random.RandomState(2).randn(8), jnp.float32)
+    ref = reference.paged_decode_attention(q, k, v, tables, lens, scale=0.125, sinks=sinks)
+    out = paged_decode_attention(q, k, v, tables, lens, scale=0.125, interpret=True, block_tokens=16,
+                                 num_splits=num_splits, sinks=sinks)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5)

@@ -2,19 +2,23 @@
 
 One query token per sequence. Grid ``(sequence, kv_head, split)``: each program takes the ``G``
 query heads that share one KV head (padded to 16 rows for the tensor cores), walks its share of the
-sequence's pages ``pages_per_block`` at a time through the block table, and keeps an online softmax
-in float32. Splitting the KV length over programs keeps the GPU busy when there are few sequences;
-the partial results (``o``, row max ``m``, row sum ``l``) are merged in a small jnp epilogue, which
-also adds the attention-sink logits. Pages a sliding window has left behind are skipped, not masked.
+sequence's pages ``block_tokens`` keys at a time through the block table, and keeps an online softmax
+in float32. Splitting the KV length over programs keeps the GPU busy when there are few sequences.
+Pages a sliding window has left behind are skipped, not masked.
 
-A KV block is ``block_tokens`` tokens (about 32 KiB of K): several small pages gathered through the
-block table, or a slice of one large page.
+A second, small kernel merges the splits' partial results (``o``, row max ``m``, row sum ``l``) of
+the real heads, adds the attention-sink logits and writes the output in the query's dtype: one
+launch instead of the several small XLA kernels a jnp epilogue becomes (a large share of the step at
+batch 1).
+
+A KV block is ``block_tokens`` tokens: several small pages gathered through the block table, or a
+slice of one large page. Reading each split's page ids up front, before its loop, was measured on the
+H200 and was no faster than reading them block by block (the pipeliner already hides that load).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 
 _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
 _TARGET_PROGRAMS = 4 * 132  # a few waves of programs on an H100/H200 (132 SMs)
+_COMBINE_ELEMENTS = 16384  # partial-output elements one combine program holds in registers
 
 
 def _next_pow2(n: int) -> int:
@@ -78,14 +83,53 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, o_ref, m_ref, l_ref, *, scale,
     l_ref[...] = l
 
 
+def _combine_kernel(o_ref, m_ref, l_ref, *rest, num_splits: int, has_sinks: bool):
+    """Merge ``o_ref`` [P, G, d], ``m_ref``/``l_ref`` [P, G] (splits past ``num_splits`` are unwritten)."""
+    if has_sinks:
+        sink_ref, out_ref = rest
+    else:
+        (out_ref,) = rest
+    splits, group = m_ref.shape
+    real = lax.broadcasted_iota(jnp.int32, (splits, group), 0) < num_splits
+    m = jnp.where(real, m_ref[...], -jnp.inf)
+    m_max = m.max(axis=0)
+    if has_sinks:
+        sink = sink_ref[...]
+        m_max = jnp.maximum(m_max, sink)
+    weight = jnp.exp(m - m_max[None, :])  # 0 on unwritten splits
+    denom = jnp.where(real, l_ref[...] * weight, 0.0).sum(axis=0)
+    if has_sinks:
+        denom += jnp.exp(sink - m_max)
+    o = jnp.where(real[:, :, None], o_ref[...] * weight[:, :, None], 0.0).sum(axis=0)
+    out_ref[...] = (o / jnp.where(denom == 0, 1.0, denom)[:, None]).astype(out_ref.dtype)
+
+
+def _combine_jnp(o, m, l, sinks):
+    """The same merge in jnp, for split counts too large for one combine program."""
+    m_max = m.max(axis=2)  # [S, kv, Gp]
+    if sinks is not None:
+        m_max = jnp.maximum(m_max, sinks[None])
+    weight = jnp.exp(m - m_max[:, :, None])
+    denom = (l * weight).sum(axis=2)
+    if sinks is not None:
+        denom = denom + jnp.exp(sinks[None] - m_max)
+    return (o * weight[..., None]).sum(axis=2) / jnp.where(denom == 0, 1.0, denom)[..., None]
+
+
 def default_blocking(num_seqs: int, num_kv_heads: int, pages_per_seq: int, page_size: int, head_dim: int,
                      itemsize: int):
-    """(block_tokens, num_splits): ~32 KiB K blocks (16..128 tokens); enough splits to fill the GPU."""
-    block_tokens = min(128, max(16, _next_pow2(32768 // (head_dim * itemsize) + 1) // 2))
+    """(block_tokens, num_splits): K blocks of ~32 KiB for few sequences, ~16 KiB for many
+    (16..128 tokens); enough splits to fill the GPU.
+
+    On the H200 (``scripts/gpu_check.py --sweep``), 64-token blocks were fastest at 32 and 128
+    sequences and 128-token blocks at one (d 128, bf16).
+    """
+    block_bytes = 32768 if num_seqs * num_kv_heads < 132 else 16384  # fewer (sequence, head) pairs than SMs
+    block_tokens = min(128, max(16, _next_pow2(block_bytes // (head_dim * itemsize) + 1) // 2))
     block_tokens = min(block_tokens, _next_pow2(pages_per_seq * page_size))
-    num_blocks = max(1, pages_per_seq * page_size // block_tokens)
+    num_blocks = max(1, -(-pages_per_seq * page_size // block_tokens))
     wanted = _next_pow2(-(-_TARGET_PROGRAMS // (num_seqs * num_kv_heads)))
-    return block_tokens, math.gcd(num_blocks, wanted)
+    return block_tokens, min(num_blocks, wanted)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "logit_softcap", "interpret",
@@ -93,7 +137,11 @@ def default_blocking(num_seqs: int, num_kv_heads: int, pages_per_seq: int, page_
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale, sliding_window=None,
                            logit_softcap=None, sinks=None, interpret=False, block_tokens=None, num_splits=None,
                            num_warps=4, num_stages=2):
-    """q [S, heads, d]; caches [kv_heads, num_pages, page_size, d]; block_tables [S, P]; seq_lens [S]."""
+    """q [S, heads, d]; caches [kv_heads, num_pages, page_size, d]; block_tables [S, P]; seq_lens [S].
+
+    Tuning (``None``: ``default_blocking``): ``block_tokens`` keys per step (a power of two),
+    ``num_splits`` programs per (sequence, KV head), Triton ``num_warps``/``num_stages``.
+    """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -101,14 +149,14 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale
     auto_tokens, auto_splits = default_blocking(num_seqs, num_kv_heads, block_tables.shape[1], page_size, head_dim,
                                                 q.dtype.itemsize)
     block_tokens = block_tokens or auto_tokens
-    # Whole blocks are read from the block table: pad it to a multiple of a block (padding is masked).
     pages_per_block = max(1, block_tokens // page_size)
-    pad = -block_tables.shape[1] % pages_per_block
-    if pad:
-        block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)))
-    num_blocks = block_tables.shape[1] * page_size // block_tokens
-    num_splits = math.gcd(num_blocks, num_splits or auto_splits)
-    blocks_per_split = num_blocks // num_splits
+    tokens_per_seq = block_tables.shape[1] * page_size
+    num_blocks = -(-tokens_per_seq // block_tokens)
+    blocks_per_split = -(-num_blocks // min(num_blocks, num_splits or auto_splits))
+    num_splits = -(-num_blocks // blocks_per_split)
+    # Whole splits of whole blocks are read from the block table: pad it (padding is masked by length).
+    padded_pages = -(-num_splits * blocks_per_split * block_tokens // page_size)
+    block_tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_pages - block_tables.shape[1])))
 
     q_rows = q.reshape(num_seqs, num_kv_heads, group, head_dim)
     if rows != group:
@@ -117,7 +165,10 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale
                                blocks_per_split=blocks_per_split, sliding_window=sliding_window,
                                logit_softcap=logit_softcap)
     cache_spec = pl.BlockSpec((None,) + k_cache.shape[1:], lambda s, h, k: (h, 0, 0, 0))
-    partial_shape = (num_seqs, num_kv_heads, num_splits, rows)
+    # The split axis is allocated to a power of two for the combine kernel; splits past num_splits
+    # are never written and the combine masks them.
+    split_slots = _next_pow2(num_splits)
+    partial_shape = (num_seqs, num_kv_heads, split_slots, rows)
     o, m, l = pl.pallas_call(
         kernel,
         grid=(num_seqs, num_kv_heads, num_splits),
@@ -125,7 +176,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale
             pl.BlockSpec((None, None, rows, head_dim), lambda s, h, k: (s, h, 0, 0)),
             cache_spec,
             cache_spec,
-            pl.BlockSpec((None, block_tables.shape[1]), lambda s, h, k: (s, 0)),
+            pl.BlockSpec((None, padded_pages), lambda s, h, k: (s, 0)),
             pl.BlockSpec((None, 1), lambda s, h, k: (s, 0)),
         ],
         out_specs=[
@@ -141,16 +192,35 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="paged_decode_attention",
-    )(q_rows, k_cache, v_cache, block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32)[:, None])
+    )(q_rows, k_cache, v_cache, block_tables, seq_lens.astype(jnp.int32)[:, None])
 
-    o, m, l = o[:, :, :, :group], m[:, :, :, :group], l[:, :, :, :group]
-    m_max = m.max(axis=2)  # [S, kv, G]
+    # The merge reads the first group_rows rows (the real heads, padded to a power of two).
+    group_rows = _next_pow2(group)
+    sink_rows = None
     if sinks is not None:
-        sink = sinks.astype(jnp.float32).reshape(num_kv_heads, group)[None]
-        m_max = jnp.maximum(m_max, sink)
-    weight = jnp.exp(m - m_max[:, :, None])
-    denom = (l * weight).sum(axis=2)
+        sink_rows = sinks.astype(jnp.float32).reshape(num_kv_heads, group)
+        sink_rows = jnp.pad(sink_rows, ((0, 0), (0, group_rows - group)), constant_values=-jnp.inf)
+    if split_slots * group_rows * head_dim > _COMBINE_ELEMENTS:
+        real = (slice(None), slice(None), slice(0, num_splits), slice(0, group_rows))
+        out = _combine_jnp(o[real], m[real], l[real], sink_rows)
+        return out[:, :, :group].reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
+    inputs = [o, m, l]
+    in_specs = [
+        pl.BlockSpec((None, None, split_slots, group_rows, head_dim), lambda s, h: (s, h, 0, 0, 0)),
+        pl.BlockSpec((None, None, split_slots, group_rows), lambda s, h: (s, h, 0, 0)),
+        pl.BlockSpec((None, None, split_slots, group_rows), lambda s, h: (s, h, 0, 0)),
+    ]
     if sinks is not None:
-        denom = denom + jnp.exp(sink - m_max)
-    out = (o * weight[..., None]).sum(axis=2) / jnp.where(denom == 0, 1.0, denom)[..., None]
-    return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
+        inputs.append(sink_rows)
+        in_specs.append(pl.BlockSpec((None, group_rows), lambda s, h: (h, 0)))
+    out = pl.pallas_call(
+        functools.partial(_combine_kernel, num_splits=num_splits, has_sinks=sinks is not None),
+        grid=(num_seqs, num_kv_heads),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, None, group_rows, head_dim), lambda s, h: (s, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((num_seqs, num_kv_heads, group_rows, head_dim), q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="paged_decode_combine",
+    )(*inputs)
+    return out[:, :, :group].reshape(num_seqs, num_heads, head_dim)

@@ -3,17 +3,18 @@
 The step's ``T`` tokens come from several sequences, packed as contiguous runs in increasing sequence
 order (padding tokens, ``slot_mapping < 0``, after all real ones). The wrapper cuts every run into
 *query blocks* of ``block_q`` consecutive tokens of one sequence (``cdiv(len, block_q)`` blocks per
-run, so at most ``cdiv(T, block_q) + S`` blocks in all, a static bound) and gathers their queries
-into ``[num_blocks, kv_heads, block_q * G, head_dim]``: all ``G = heads // kv_heads`` query heads of
-one KV head share a program, row ``i * G + g`` being token ``i`` of the block and head ``g`` of the
-group (``G`` padded to a power of two). Each program of the ``(kv_heads, num_blocks)`` grid walks the
+run, so at most ``cdiv(T, block_q) + S`` blocks in all, a static bound). All ``G = heads // kv_heads``
+query heads of one KV head share a program: its tile row ``i * G + g`` is token ``i`` of the block and
+head ``g`` of the group (``G`` padded to a power of two), gathered by the kernel straight from the
+``[T, heads, d]`` queries through a per-block row index. Each program of the ``(kv_heads, num_blocks)`` grid walks the
 block's keys ``block_k`` at a time, gathering ``block_k / page_size`` pages through the block table
 (online softmax in float32), from the first page its first query can see (sliding window) to the
 last key its last query can see (causal). Key blocks that every row of the query block sees whole
 skip the mask. Pages larger than ``block_k`` are read as virtual pages of ``block_k`` rows (a free
 reshape of the cache, and a block table of virtual pages), so every page size works.
-Programs are ordered with the last query blocks (the longest key ranges) first. The wrapper gathers
-the per-block output back to ``[T, heads, head_dim]``; padding tokens get zeros.
+Programs are ordered with the last query blocks (the longest key ranges) first. Each program writes
+its rows straight into the ``[T, heads, head_dim]`` output (gathering queries and scattering outputs
+in jnp around the kernel cost ~12% of a 1 x 8192 prefill on the H200); padding tokens get zeros.
 
 Softmax runs in base 2 (``exp2``, logits pre-multiplied by ``log2(e)``). Sinks start the online
 softmax (``m = sink``, ``l = 1``), which is the same as one extra column that is dropped. Masked
@@ -51,19 +52,22 @@ def default_block_sizes(num_tokens: int, group: int, head_dim: int, dtype) -> di
     """Block sizes and launch parameters for one call (aimed at Hopper).
 
     ``block_q * next_pow2(group)`` query rows per program (128; 64 at head_dim 256; never more query
-    tokens than the step has, but >= 16 rows for the MMA), ``block_k`` keys per key block (64; 32 at
-    head_dim 256), as many pipeline stages (at most 3) as ~160 KiB of shared memory holds.
+    tokens than the step has, but >= 16 rows for the MMA), ``block_k`` keys per key block (256-byte
+    rows: 128, i.e. bf16 at head_dim <= 128; 64 up to 512-byte rows; else 32), as many pipeline stages
+    (at most 3) as 224 KiB of shared memory holds. On the H200 (``scripts/gpu_check.py
+    --sweep-prefill``), 128 x 128 blocks with 3 stages were fastest at bf16, head_dim 128.
     """
     group_pad = _next_pow2(group)
+    itemsize = jnp.dtype(dtype).itemsize
     rows = 64 if head_dim > 128 else 128
-    block_k = 32 if head_dim > 128 else 64
+    row_bytes = head_dim * itemsize
+    block_k = 128 if row_bytes <= 256 else 64 if row_bytes <= 512 else 32
     block_q = max(1, rows // group_pad)
     block_q = max(min(block_q, _next_pow2(num_tokens)), max(1, 16 // group_pad))
     rows = block_q * group_pad
-    itemsize = jnp.dtype(dtype).itemsize
     stage_bytes = 2 * block_k * head_dim * itemsize  # one K and one V tile
     q_bytes = rows * head_dim * itemsize
-    num_stages = int(min(3, max(1, (160 * 1024 - q_bytes) // stage_bytes)))
+    num_stages = int(min(3, max(1, (224 * 1024 - q_bytes) // stage_bytes)))
     num_warps = 4 if (head_dim <= 64 and rows * block_k <= 128 * 64) else 8
     return dict(block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
 
@@ -130,14 +134,15 @@ def _query_blocks(md: AttentionMetadata, *, block_q: int, num_blocks: int, page_
     return meta.astype(jnp.int32), row_pos, row_tok, row_valid, block, row, valid
 
 
-def _prefill_kernel(meta_ref, bt_ref, pos_ref, q_ref, k_ref, v_ref, *rest, page_size: int,
-                    pages_per_block: int, scale: float, sliding_window, logit_softcap,
-                    has_sinks: bool, precision):
+def _prefill_kernel(meta_ref, bt_ref, pos_ref, qidx_ref, q_ref, k_ref, v_ref, *rest, page_size: int,
+                    pages_per_block: int, group: int, dump_row: int, scale: float, sliding_window,
+                    logit_softcap, has_sinks: bool, precision):
     if has_sinks:
-        sink_ref, o_ref = rest
+        sink_ref, _, o_ref = rest
     else:
-        (o_ref,) = rest
-    rows, head_dim = q_ref.shape
+        _, o_ref = rest
+    (rows,) = qidx_ref.shape
+    head_dim = q_ref.shape[1]
     block_k = pages_per_block * page_size
 
     seq = meta_ref[0]
@@ -147,7 +152,15 @@ def _prefill_kernel(meta_ref, bt_ref, pos_ref, q_ref, k_ref, v_ref, *rest, page_
     num_kb = meta_ref[4]
     kv_end = meta_ref[5]
 
-    q = q_ref[...]
+    # Rows are gathered from (and written back to) the [T * heads, d] queries / output in place:
+    # qidx is each row's token * heads + g, -1 for rows without a query (padding or g >= G), which
+    # point at ``dump_row`` and are masked.
+    qidx = qidx_ref[...]
+    has_query = jnp.broadcast_to((qidx >= 0)[:, None], (rows, head_dim))
+    q_rows = jnp.broadcast_to(jnp.where(qidx >= 0, qidx + pl.program_id(0) * group, dump_row)[:, None],
+                              (rows, head_dim))
+    q_cols = lax.broadcasted_iota(jnp.int32, (rows, head_dim), 1)
+    q = plgpu.load(q_ref.at[q_rows, q_cols], mask=has_query, other=0.0)
     row_pos = pos_ref[...]  # [rows]; -1 for rows without a token
     lo = first_page * page_size
 
@@ -190,7 +203,7 @@ def _prefill_kernel(meta_ref, bt_ref, pos_ref, q_ref, k_ref, v_ref, *rest, page_
     carry = run(k_b, num_kb, carry, True)  # the causal diagonal and the sequence end
     o, _, l = carry
     o = o / jnp.where(l == 0.0, 1.0, l)[:, None]
-    o_ref[...] = o.astype(o_ref.dtype)
+    plgpu.store(o_ref.at[q_rows, q_cols], o.astype(o_ref.dtype), mask=has_query)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "logit_softcap", "interpret", "block_q",
@@ -253,26 +266,35 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale,
     pages_per_block = block_k // page_size
 
     num_blocks = max(1, min(t, pl.cdiv(t, block_q) + num_seqs))
-    meta, row_pos, row_tok, row_valid, tok_block, tok_row, tok_valid = _query_blocks(
+    meta, row_pos, row_tok, row_valid, *_ = _query_blocks(
         md, block_q=block_q, num_blocks=num_blocks, page_size=page_size, block_k=block_k,
         pages_per_seq=pages_per_seq, sliding_window=sliding_window)
 
-    # Queries per block: [NB, kv, block_q * G_pad, d], row i * G_pad + g.
-    qg = q.reshape(t, num_kv_heads, group, head_dim)
-    if group_pad != group:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_pad - group), (0, 0)))
-    qb = jnp.where(row_valid[:, :, None, None, None], qg[row_tok], 0)  # [NB, block_q, kv, G_pad, d]
-    qb = qb.transpose(0, 2, 1, 3, 4).reshape(num_blocks, num_kv_heads, rows, head_dim)
+    # Row i * G_pad + g of a block is token row_tok[i], head g of the program's KV head.
+    g = jnp.arange(group_pad, dtype=jnp.int32)
+    qidx = row_tok[:, :, None] * num_heads + g[None, None, :]
+    qidx = jnp.where(row_valid[:, :, None] & (g < group)[None, None, :], qidx, -1).reshape(num_blocks, rows)
     pos_rows = jnp.repeat(row_pos, group_pad, axis=1)  # [NB, rows]
     # Room for a key block that starts at any page of the table.
     block_tables = jnp.pad(block_tables, ((0, 0), (0, pages_per_block)))
 
-    inputs = [meta, block_tables, pos_rows, qb.astype(k_cache.dtype), k_cache, v_cache]
+    # The kernel writes the output rows of real tokens in place; padding tokens keep these zeros.
+    # Masked-off rows point at row 0: the GPU writes nothing there. Pallas's interpreter turns a
+    # masked scatter into read-modify-write, so there they point at one extra row, dropped after.
+    out_rows = t * num_heads + (1 if interpret else 0)
+    dump_row = t * num_heads if interpret else 0
+    out_init = jnp.zeros((out_rows, head_dim), q.dtype)
+    q_flat = q.reshape(t * num_heads, head_dim).astype(k_cache.dtype)
+    if interpret:
+        q_flat = jnp.pad(q_flat, ((0, 1), (0, 0)))
+    flat_spec = pl.BlockSpec((out_rows, head_dim), lambda h, b: (0, 0))
+    inputs = [meta, block_tables, pos_rows, qidx, q_flat, k_cache, v_cache]
     in_specs = [
         pl.BlockSpec((None, _META), lambda h, b: (b, 0)),
         pl.BlockSpec(block_tables.shape, lambda h, b: (0, 0)),
         pl.BlockSpec((None, rows), lambda h, b: (b, 0)),
-        pl.BlockSpec((None, None, rows, head_dim), lambda h, b: (b, h, 0, 0)),
+        pl.BlockSpec((None, rows), lambda h, b: (b, 0)),
+        flat_spec,
         pl.BlockSpec((None, num_pages, page_size, head_dim), lambda h, b: (h, 0, 0, 0)),
         pl.BlockSpec((None, num_pages, page_size, head_dim), lambda h, b: (h, 0, 0, 0)),
     ]
@@ -282,26 +304,26 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale,
             s = jnp.pad(s, ((0, 0), (0, group_pad - group)))
         inputs.append(jnp.tile(s, (1, block_q)))  # [kv, rows], row i * G_pad + g -> head g
         in_specs.append(pl.BlockSpec((None, rows), lambda h, b: (h, 0)))
+    inputs.append(out_init)
+    in_specs.append(flat_spec)
 
     precision = lax.Precision.HIGHEST if jnp.dtype(k_cache.dtype) == jnp.float32 else None
     kernel = functools.partial(
-        _prefill_kernel, page_size=page_size, pages_per_block=pages_per_block,
+        _prefill_kernel, page_size=page_size, pages_per_block=pages_per_block, group=group, dump_row=dump_row,
         scale=float(scale), sliding_window=sliding_window or None, logit_softcap=logit_softcap or None,
         has_sinks=sinks is not None, precision=precision)
     out = pl.pallas_call(
         kernel,
         grid=(num_kv_heads, num_blocks),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda h, b: (b, h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((num_blocks, num_kv_heads, rows, head_dim), q.dtype),
+        out_specs=flat_spec,
+        out_shape=jax.ShapeDtypeStruct((out_rows, head_dim), q.dtype),
+        input_output_aliases={len(inputs) - 1: 0},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"ragged_paged_prefill_{block_q=}_{block_k=}",
     )(*inputs)
-
-    out = out.reshape(num_blocks, num_kv_heads, block_q, group_pad, head_dim)[tok_block, :, tok_row]
-    out = out[:, :, :group].reshape(t, num_heads, head_dim)  # [T, kv, G_pad, d] -> [T, heads, d]
-    return jnp.where(tok_valid[:, None, None], out, jnp.zeros((), out.dtype))
+    return out[:t * num_heads].reshape(t, num_heads, head_dim)
 
 
 __all__ = ["default_block_sizes", "ragged_paged_attention"]

@@ -29,11 +29,16 @@ The grid's first (fastest) axis is the output-column block: the programs running
 row block (its ``x`` rows / hidden rows are read from HBM once and then hit L2) and consecutive row
 blocks of one expert reuse that expert's weight tiles from L2.
 
-**Ragged sizes.** Blocks are powers of two >= 16 (``dot`` needs >= 16). The default ``block_n`` /
-``block_k`` are the largest power of two (up to the Hopper target) that divides the dimension (2880 =
-45 * 64 takes 64, 768 and 2048 take the targets), so the real models run unmasked. Otherwise the
-weight, bias and ``x`` loads past ``H``/``I`` are masked to zero and the two intermediate arrays are
-padded (``I_pad``, ``H_pad``: whole blocks; the hidden's padding columns are written as zeros).
+**Ragged sizes.** Blocks are powers of two >= 16 (``dot`` needs >= 16). The default ``block_k`` is the
+largest power of two (up to the Hopper target) that divides the reduction dimension (2880 = 45 * 64
+takes 64, 768 and 2048 take the targets), so the reductions of the real models run unmasked; the
+output-column ``block_n`` keeps its target where that pads the dimension by at most 5% (2880 -> 23 x
+128 columns), which measured faster than narrower unmasked tiles. Past ``H``/``I`` the weight, bias
+and ``x`` loads are masked to zero and the two intermediate arrays are padded (``I_pad``, ``H_pad``:
+whole blocks; the hidden's padding columns are written as zeros).
+
+The decode-sized grouping (``group_few_by_expert``) is built from pairwise comparisons rather than a
+sort: at one token the dozen small XLA kernels of the sort path took longer than the expert weights.
 
 **Decode** (``T * k <= 128``): ``block_m = clip(next_pow2(T), 16, 128)``. An expert gets at most ``T``
 rows (top-k picks distinct experts: one row per token that chose it), so every touched expert has
@@ -71,17 +76,21 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
 
-def _fit(dim: int, target: int) -> int:
-    """The largest power of two in [16, target] dividing ``dim``; else ``target`` (capped), masked."""
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _fit(dim: int, target: int, pad_ok: bool = False) -> int:
+    """``target`` where it divides ``dim`` (or, with ``pad_ok``, pads it by at most 5%: masked output
+    columns cost less than narrower tiles); else the largest power of two in [16, target] dividing
+    ``dim``; else ``target`` (capped to the dimension), masked."""
     cap = min(target, max(16, _next_pow2(dim)))
+    if dim % cap == 0 or (pad_ok and _round_up(dim, cap) <= 1.05 * dim):
+        return cap
     b = cap
     while b > 16 and dim % b:
         b //= 2
     return b if dim % b == 0 else cap
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 def default_block_sizes(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> dict:
@@ -90,8 +99,9 @@ def default_block_sizes(num_tokens: int, top_k: int, num_experts: int, hidden: i
     Returns ``block_m`` and, per kernel (``"gate_up"``, ``"down"``), ``block_n``, ``block_k``,
     ``num_warps``, ``num_stages``. Decode-sized (``block_m <= 32``, memory bound): narrow column blocks
     (32) for many programs, long ``block_k`` (128) for wide contiguous weight loads, 4 warps, 4 stages.
-    Prefill (``block_m`` 64 / 128, compute bound): 64 (gate and up: two accumulators) or 128 (down)
-    columns, ``block_k`` 64, 4 or 8 warps, 4 or 3 stages (<= ~128 KiB of shared memory).
+    Prefill (``block_m`` 64 / 128, compute bound): at 64 rows, 64 (gate and up: two accumulators) or
+    128 (down) columns, 4 warps, 4 stages; at 128 rows, 128 or 256 columns, 8 warps, 4 or 3 stages;
+    ``block_k`` 64.
     """
     rows = num_tokens * top_k
     if rows <= DECODE_ROWS:
@@ -104,11 +114,11 @@ def default_block_sizes(num_tokens: int, top_k: int, num_experts: int, hidden: i
     elif block_m == 64:
         gate_up = dict(block_n=64, block_k=64, num_warps=4, num_stages=4)
         down = dict(block_n=128, block_k=64, num_warps=4, num_stages=4)
-    else:
-        gate_up = dict(block_n=64, block_k=64, num_warps=8, num_stages=3)
-        down = dict(block_n=128, block_k=64, num_warps=8, num_stages=3)
-    gate_up.update(block_n=_fit(inter, gate_up["block_n"]), block_k=_fit(hidden, gate_up["block_k"]))
-    down.update(block_n=_fit(hidden, down["block_n"]), block_k=_fit(inter, down["block_k"]))
+    else:  # the fastest in scripts/moe_check.py --sweep on the H200, at both models' shapes
+        gate_up = dict(block_n=128, block_k=64, num_warps=8, num_stages=4)
+        down = dict(block_n=256, block_k=64, num_warps=8, num_stages=3)
+    gate_up.update(block_n=_fit(inter, gate_up["block_n"], pad_ok=True), block_k=_fit(hidden, gate_up["block_k"]))
+    down.update(block_n=_fit(hidden, down["block_n"], pad_ok=True), block_k=_fit(inter, down["block_k"]))
     return dict(block_m=block_m, gate_up=gate_up, down=down)
 
 
@@ -116,6 +126,15 @@ def num_row_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Static bound on the row blocks in use: sum over touched experts of ``cdiv(n_e, block_m)``."""
     touched = min(num_experts, num_pairs)
     return max(1, (num_pairs + touched * (block_m - 1)) // block_m)
+
+
+class KernelTuning(NamedTuple):
+    """Launch parameters of one of the two kernels; ``None`` fields keep the default."""
+
+    block_n: int | None = None
+    block_k: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
 
 
 class Grouping(NamedTuple):
@@ -139,9 +158,44 @@ def group_by_expert(expert_ids, num_experts: int, block_m: int) -> Grouping:
     dest = first_row[sorted_experts] + jnp.arange(n, dtype=jnp.int32) - first_pair[sorted_experts]
     pair_row = jnp.zeros((n,), jnp.int32).at[order].set(dest)
     row_pair = jnp.full((nb * block_m,), -1, jnp.int32).at[dest].set(order, mode="drop")
-    block_expert = jnp.searchsorted(block_end, jnp.arange(nb, dtype=jnp.int32), side="right").astype(jnp.int32)
+    # One fused comparison, not the default binary-search scan (a serial loop of tiny kernels on GPU).
+    block_expert = jnp.searchsorted(block_end, jnp.arange(nb, dtype=jnp.int32), side="right",
+                                    method="compare_all").astype(jnp.int32)
     block_expert = jnp.where(block_expert < num_experts, block_expert, -1)
     return Grouping(row_pair, block_expert, pair_row)
+
+
+def group_one_token(expert_ids, block_m: int) -> Grouping:
+    """One token: its ``k`` distinct experts each take one row block, in slot order (index arithmetic
+    only; the kernels do not need the blocks sorted by expert)."""
+    flat = expert_ids.reshape(-1).astype(jnp.int32)
+    slot = jnp.arange(flat.shape[0], dtype=jnp.int32)
+    row = jnp.arange(flat.shape[0] * block_m, dtype=jnp.int32)
+    return Grouping(jnp.where(row % block_m == 0, row // block_m, -1), flat, slot * block_m)
+
+
+def group_few_by_expert(expert_ids, num_experts: int, block_m: int) -> Grouping:
+    """``group_by_expert`` for decode-sized steps, where no expert gets more than ``block_m`` rows.
+
+    Same result (blocks in expert order, rows in pair order) from pairwise comparisons of the
+    ``N <= DECODE_ROWS`` pairs instead of a sort and scans: a few fused kernels instead of a dozen
+    small ones, which at one token cost more than the expert weights take to read.
+    """
+    flat = expert_ids.reshape(-1).astype(jnp.int32)
+    n = flat.shape[0]
+    nb = num_row_blocks(n, num_experts, block_m)
+    pair = jnp.arange(n, dtype=jnp.int32)
+    same = flat[:, None] == flat[None, :]
+    rank = (same & (pair[None, :] < pair[:, None])).sum(axis=1).astype(jnp.int32)  # row in the block
+    first = rank == 0  # the first pair of its expert
+    block = (first[None, :] & (flat[None, :] < flat[:, None])).sum(axis=1).astype(jnp.int32)
+    pair_row = block * block_m + rank
+    row = jnp.arange(nb * block_m, dtype=jnp.int32)
+    row_pair = jnp.where(pair_row[None, :] == row[:, None], pair[None, :] + 1, 0).sum(axis=1) - 1
+    b = jnp.arange(nb, dtype=jnp.int32)
+    owner = first[None, :] & (block[None, :] == b[:, None])
+    block_expert = jnp.where(owner, flat[None, :] + 1, 0).sum(axis=1) - 1
+    return Grouping(row_pair.astype(jnp.int32), block_expert.astype(jnp.int32), pair_row)
 
 
 def _load_tile(ref, e, n0, k0, block_n: int, block_k: int, n_size: int, k_size: int, mask_n: bool,
@@ -241,17 +295,23 @@ def _check_block(name: str, value: int):
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "alpha", "limit", "interpret", "block_m", "block_n",
-                                             "block_k", "num_warps", "num_stages"))
+                                             "block_k", "num_warps", "num_stages", "gate_up_tuning", "down_tuning",
+                                             "distinct_experts"))
 def moe_mlp(x, expert_ids, expert_weights, gate, up, down, *, gate_bias=None, up_bias=None, down_bias=None,
             activation: str = "silu", alpha: float = 1.702, limit: float = 7.0, interpret: bool = False,
-            block_m=None, block_n=None, block_k=None, num_warps=None, num_stages=None):
+            block_m=None, block_n=None, block_k=None, num_warps=None, num_stages=None,
+            gate_up_tuning: KernelTuning | None = None, down_tuning: KernelTuning | None = None,
+            distinct_experts: bool = False):
     """x [T, H]; expert_ids [T, k] int; expert_weights [T, k] -> [T, H] in x's dtype.
 
     Same semantics as ``reference.moe_mlp``: weights in nn.Linear layout, ``gate``/``up`` [E, I, H],
     ``down`` [E, H, I], optional biases [E, I], [E, I], [E, H]; expert ids must lie in ``[0, E)``.
     Tuning (``None``: ``default_block_sizes``): ``block_m`` rows per row block, ``block_n`` output
     columns and ``block_k`` reduction step per program, Triton ``num_warps``/``num_stages``; a given
-    value applies to both kernels. Block sizes are powers of two >= 16; ``H`` and ``I`` are arbitrary.
+    value applies to both kernels; ``gate_up_tuning`` / ``down_tuning`` (``KernelTuning``) set one kernel
+    and win over those. Block sizes are powers of two >= 16; ``H`` and ``I`` are arbitrary.
+    ``distinct_experts`` promises that each token's ``k`` ids differ (top-k routing): then no expert
+    has more than ``T`` rows, and decode-sized calls group their rows without a sort.
     """
     if activation not in ("silu", "gpt_oss"):
         raise ValueError(f"unknown MoE activation {activation!r}")
@@ -274,19 +334,24 @@ def moe_mlp(x, expert_ids, expert_weights, gate, up, down, *, gate_bias=None, up
     defaults = default_block_sizes(num_tokens, top_k, num_experts, hidden, inter)
     block_m = defaults["block_m"] if block_m is None else block_m
     launch = {}
-    for kernel in ("gate_up", "down"):
+    shared = KernelTuning(block_n, block_k, num_warps, num_stages)
+    for kernel, own in (("gate_up", gate_up_tuning), ("down", down_tuning)):
         cfg = dict(defaults[kernel])
-        for key, value in (("block_n", block_n), ("block_k", block_k), ("num_warps", num_warps),
-                           ("num_stages", num_stages)):
-            if value is not None:
-                cfg[key] = value
+        for tuning in (shared, own or KernelTuning()):
+            cfg.update({key: value for key, value in tuning._asdict().items() if value is not None})
         _check_block(f"{kernel} block_n", cfg["block_n"])
         _check_block(f"{kernel} block_k", cfg["block_k"])
         launch[kernel] = cfg
     _check_block("block_m", block_m)
     gu, dn = launch["gate_up"], launch["down"]
 
-    grouping = group_by_expert(expert_ids, num_experts, block_m)
+    if num_tokens == 1:  # one token's k experts are distinct: slot j is row block j, no grouping to do
+        grouping = group_one_token(expert_ids, block_m)
+    elif num_pairs <= DECODE_ROWS and (num_pairs <= block_m or (distinct_experts and num_tokens <= block_m)):
+        # No expert has more rows than one block: at most T of them with distinct ids.
+        grouping = group_few_by_expert(expert_ids, num_experts, block_m)
+    else:
+        grouping = group_by_expert(expert_ids, num_experts, block_m)
     nb = grouping.block_expert.shape[0]
     rows = nb * block_m
     valid = grouping.row_pair >= 0
@@ -362,4 +427,5 @@ def moe_mlp(x, expert_ids, expert_weights, gate, up, down, *, gate_bias=None, up
     return out.reshape(num_tokens, top_k, hidden).astype(jnp.float32).sum(axis=1).astype(x.dtype)
 
 
-__all__ = ["DECODE_ROWS", "Grouping", "default_block_sizes", "group_by_expert", "moe_mlp", "num_row_blocks"]
+__all__ = ["DECODE_ROWS", "Grouping", "KernelTuning", "default_block_sizes", "group_by_expert", "group_few_by_expert",
+           "group_one_token", "moe_mlp", "num_row_blocks"]

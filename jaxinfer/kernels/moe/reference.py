@@ -26,8 +26,12 @@ def gated_activation(gate, up, activation: str = "silu", alpha: float = 1.702, l
 
 
 def moe_mlp(x, expert_ids, expert_weights, gate, up, down, *, gate_bias=None, up_bias=None, down_bias=None,
-            activation: str = "silu", alpha: float = 1.702, limit: float = 7.0):
-    """x [T, H]; expert_ids [T, k] int; expert_weights [T, k] -> [T, H] in x's dtype."""
+            activation: str = "silu", alpha: float = 1.702, limit: float = 7.0, distinct_experts: bool = False):
+    """x [T, H]; expert_ids [T, k] int; expert_weights [T, k] -> [T, H] in x's dtype.
+
+    ``distinct_experts`` (each token's k ids differ, as top-k routing gives) is a promise kernels
+    may use; the reference needs nothing from it.
+    """
     num_tokens, top_k = expert_ids.shape
     num_experts = gate.shape[0]
     flat_experts = expert_ids.reshape(-1)

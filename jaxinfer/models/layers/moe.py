@@ -124,5 +124,6 @@ class Experts(nn.Module):
             biases = dict(gate_bias=self.param("gate_proj_bias", zeros, (e, i), self.param_dtype),
                           up_bias=self.param("up_proj_bias", zeros, (e, i), self.param_dtype),
                           down_bias=self.param("down_proj_bias", zeros, (e, hidden), self.param_dtype))
+        # Routers pick top-k: a token's k experts are distinct, which the kernel's decode path uses.
         return moe_ops.moe_mlp(x, ids, weights, gate, up, down, activation=spec.activation, alpha=spec.alpha,
-                               limit=spec.limit, **biases)
+                               limit=spec.limit, distinct_experts=True, **biases)

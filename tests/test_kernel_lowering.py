@@ -1,0 +1,69 @@
+"""The Pallas GPU kernels lower to Triton for the GPU, checked on CPU-only machines.
+
+Interpret mode (the other kernel tests) runs the kernels' jnp semantics; it does not check that
+Pallas can turn them into Triton IR (supported ops, shapes, layouts). Lowering for the ``cuda``
+platform does, without a GPU: the Triton compiler itself only runs there.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxinfer.cache.metadata import AttentionMetadata
+from jaxinfer.kernels.attention.decode_pallas import paged_decode_attention
+from jaxinfer.kernels.attention.prefill_pallas import ragged_paged_attention
+from jaxinfer.kernels.moe.grouped_pallas import moe_mlp
+
+S = jax.ShapeDtypeStruct
+BF16, I32 = jnp.bfloat16, jnp.int32
+
+
+def _lower_for_gpu(fn, *args):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("batch, context, options", [
+    (1, 4096, {}),
+    (32, 4096, {"sliding_window": 128, "logit_softcap": 30.0}),
+    (1, 131072, {}),  # more splits than one combine program holds: the jnp merge
+])
+def test_decode_lowers(batch, context, options):
+    pages = context // 16
+    text = _lower_for_gpu(functools.partial(paged_decode_attention, scale=0.1, **options),
+                          S((batch, 32, 128), BF16), S((8, batch * pages, 16, 128), BF16),
+                          S((8, batch * pages, 16, 128), BF16), S((batch, pages), I32), S((batch,), I32))
+    assert "paged_decode_attention" in text
+
+
+def test_decode_with_sinks_lowers():
+    args = (S((4, 64, 64), BF16), S((8, 64, 16, 64), BF16), S((8, 64, 16, 64), BF16), S((4, 16), I32),
+            S((4,), I32), S((64,), jnp.float32))
+    text = _lower_for_gpu(lambda q, k, v, bt, n, sinks: paged_decode_attention(q, k, v, bt, n, scale=0.1, sinks=sinks),
+                          *args)
+    assert "paged_decode_combine" in text
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, page_size", [(32, 32, 128, 16), (32, 8, 128, 16),
+                                                                  (8, 2, 256, 64)])
+def test_prefill_lowers(heads, kv_heads, head_dim, page_size):
+    t, seqs, pages = 2048, 4, 64
+    md = AttentionMetadata(positions=S((t,), I32), slot_mapping=S((t,), I32), token_seq_ids=S((t,), I32),
+                           block_tables=S((seqs, pages), I32), seq_lens=S((seqs,), I32),
+                           logits_indices=S((seqs,), I32))
+    text = _lower_for_gpu(functools.partial(ragged_paged_attention, scale=0.1),
+                          S((t, heads, head_dim), BF16), S((kv_heads, seqs * pages, page_size, head_dim), BF16),
+                          S((kv_heads, seqs * pages, page_size, head_dim), BF16), md)
+    assert "ragged_paged_prefill" in text
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, hidden, inter", [(1, 128, 8, 2048, 768), (4096, 128, 8, 2048, 768),
+                                                                  (8, 32, 4, 2880, 2880)])
+def test_moe_lowers(tokens, experts, top_k, hidden, inter):
+    text = _lower_for_gpu(moe_mlp, S((tokens, hidden), BF16), S((tokens, top_k), I32), S((tokens, top_k), BF16),
+                          S((experts, inter, hidden), BF16), S((experts, inter, hidden), BF16),
+                          S((experts, hidden, inter), BF16))
+    assert "moe_gate_up" in text and "moe_down" in text
