@@ -79,9 +79,7 @@ def _query_blocks(md: AttentionMetadata, *, block_q: int, num_blocks: int, page_
     Returns ``meta`` [NB, 8] int32 (seq, first page, end of the leading masked key blocks, end of the
     unmasked ones, number of key blocks, end of the key range, 0, 0), ``row_pos`` [NB, block_q] (the
     position of each row's token, -1 for rows past the block's tokens), ``row_tok`` [NB, block_q]
-    (its token index, clipped), ``row_valid`` [NB, block_q], and per token [T]: ``tok_block``,
-    ``tok_row`` (where its output lies) and ``tok_valid`` (a real token).
-    Block ``b`` of the token order is stored at ``NB - 1 - b`` so the grid starts with the last (the
+    (its token index, clipped) and ``row_valid`` [NB, block_q]. Block ``b`` of the token order is stored at ``NB - 1 - b`` so the grid starts with the last (the
     longest) blocks.
     """
     t = md.positions.shape[0]
@@ -131,7 +129,7 @@ def _query_blocks(md: AttentionMetadata, *, block_q: int, num_blocks: int, page_
     k_b = jnp.clip((full_end - lo) // block_k, k_a, num_kb)
     zeros = jnp.zeros_like(num_kb)
     meta = jnp.stack([block_seq, first_page, k_a, k_b, num_kb, kv_end, zeros, zeros], axis=1)
-    return meta.astype(jnp.int32), row_pos, row_tok, row_valid, block, row, valid
+    return meta.astype(jnp.int32), row_pos, row_tok, row_valid
 
 
 def _prefill_kernel(meta_ref, bt_ref, pos_ref, qidx_ref, q_ref, k_ref, v_ref, *rest, page_size: int,
@@ -266,7 +264,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale,
     pages_per_block = block_k // page_size
 
     num_blocks = max(1, min(t, pl.cdiv(t, block_q) + num_seqs))
-    meta, row_pos, row_tok, row_valid, *_ = _query_blocks(
+    meta, row_pos, row_tok, row_valid = _query_blocks(
         md, block_q=block_q, num_blocks=num_blocks, page_size=page_size, block_k=block_k,
         pages_per_seq=pages_per_seq, sliding_window=sliding_window)
 
