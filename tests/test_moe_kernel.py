@@ -46,6 +46,9 @@ CASES = {
     "decode-t1-silu-f32": (1, 2, 8, 80, 48, jnp.float32, "silu", (), "uniform", {}),
     "decode-t4-gptoss-bias-f32": (4, 4, 8, 80, 48, jnp.float32, "gpt_oss", ALL_BIASES, "uniform", {}),
     "decode-t2-gptoss-bias-bf16": (2, 2, 8, 80, 48, jnp.bfloat16, "gpt_oss", ALL_BIASES, "uniform", {}),
+    # Distinct experts promised (as top-k routing gives): decode-sized steps group without a sort.
+    "decode-t6-distinct-silu-f32": (6, 3, 8, 80, 48, jnp.float32, "silu", (), "uniform",
+                                    dict(distinct_experts=True)),
     "prefill-uneven-silu-f32": (100, 2, 8, 80, 48, jnp.float32, "silu", (), "uneven", {}),
     "prefill-uneven-gptoss-bias-f32": (100, 4, 8, 80, 48, jnp.float32, "gpt_oss", ALL_BIASES, "uneven", {}),
     "prefill-uneven-silu-bias-bf16": (96, 2, 8, 80, 48, jnp.bfloat16, "silu", ALL_BIASES, "uneven", {}),
