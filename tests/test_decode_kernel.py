@@ -31,8 +31,10 @@ def _case(num_seqs, heads, kv_heads, head_dim, page_size, pages_per_seq, lengths
     (8, 4, 64, 128),   # large pages
 ])
 @pytest.mark.parametrize("options", ["plain", "window", "softcap", "sinks"])
-@pytest.mark.parametrize("block_tokens", [16, 64])  # a slice of a page, or one or more whole pages
-def test_matches_reference(heads, kv_heads, head_dim, page_size, options, block_tokens):
+# A slice of a page, or one or more whole pages per block; split (partial results merged by the
+# combine kernel) or one pass that writes the output itself.
+@pytest.mark.parametrize("block_tokens, num_splits", [(16, 2), (64, 2), (64, 1)])
+def test_matches_reference(heads, kv_heads, head_dim, page_size, options, block_tokens, num_splits):
     pages_per_seq = max(2, 256 // page_size)
     max_len = pages_per_seq * page_size
     lengths = [0, 1, page_size + 3, max_len]  # 0: a padding row
@@ -45,8 +47,8 @@ def test_matches_reference(heads, kv_heads, head_dim, page_size, options, block_
     if options == "sinks":
         kwargs["sinks"] = jnp.asarray(np.random.RandomState(1).randn(heads), jnp.float32)
     ref = reference.paged_decode_attention(q, k, v, tables, lens, **kwargs)
-    out = paged_decode_attention(q, k, v, tables, lens, interpret=True, block_tokens=block_tokens, num_splits=2,
-                                 **kwargs)
+    out = paged_decode_attention(q, k, v, tables, lens, interpret=True, block_tokens=block_tokens,
+                                 num_splits=num_splits, **kwargs)
     assert np.isfinite(np.asarray(out)).all()
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5)
 
@@ -59,11 +61,23 @@ def test_bfloat16_and_default_blocking():
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=3e-2)
 
 
+@pytest.mark.parametrize("heads, kv_heads", [(12, 2), (32, 2), (2, 1)])
+def test_query_group_padding(heads, kv_heads):
+    # Groups of 6 (not a power of two: padded before the kernel), 16 (no padding) and 2 (padded to
+    # 16 rows as the kernel loads them).
+    q, k, v, tables, lens = _case(2, heads, kv_heads, 64, 16, 6, [5, 90], jnp.float32, seed=4)
+    ref = reference.paged_decode_attention(q, k, v, tables, lens, scale=0.125)
+    out = paged_decode_attention(q, k, v, tables, lens, scale=0.125, interpret=True, block_tokens=32)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5)
+
+
 def test_default_blocking_fills_the_gpu():
     # ~32 KiB K blocks; one long sequence is split across many programs, many sequences are not.
     assert default_blocking(1, 8, 256, 16, 128, 2) == (128, 32)
     assert default_blocking(128, 8, 128, 16, 128, 2) == (64, 1)
     assert default_blocking(4, 1, 16, 128, 256, 4) == (32, 64)
+    # A short context is split as far as it has blocks: a block in series costs more than the combine.
+    assert default_blocking(1, 4, 34, 16, 128, 2) == (128, 5)
 
 
 @pytest.mark.parametrize("num_splits, head_dim", [(3, 64), (40, 128)])

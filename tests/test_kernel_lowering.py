@@ -16,7 +16,9 @@ import pytest
 from jaxinfer.cache.metadata import AttentionMetadata
 from jaxinfer.kernels.attention.decode_pallas import paged_decode_attention
 from jaxinfer.kernels.attention.prefill_pallas import ragged_paged_attention
+from jaxinfer.kernels.attention.rotary_pallas import rotary_cache_write
 from jaxinfer.kernels.moe.grouped_pallas import moe_mlp
+from jaxinfer.kernels.moe.router_pallas import route
 
 S = jax.ShapeDtypeStruct
 BF16, I32 = jnp.bfloat16, jnp.int32
@@ -31,20 +33,23 @@ def _lower_for_gpu(fn, *args):
     (32, 4096, {"sliding_window": 128, "logit_softcap": 30.0}),
     (1, 131072, {}),  # more splits than one combine program holds: the jnp merge
 ])
-def test_decode_lowers(batch, context, options):
+@pytest.mark.parametrize("heads", [32, 48])  # query groups of 4 (padded in the kernel) and 6 (before it)
+def test_decode_lowers(batch, context, options, heads):
     pages = context // 16
     text = _lower_for_gpu(functools.partial(paged_decode_attention, scale=0.1, **options),
-                          S((batch, 32, 128), BF16), S((8, batch * pages, 16, 128), BF16),
+                          S((batch, heads, 128), BF16), S((8, batch * pages, 16, 128), BF16),
                           S((8, batch * pages, 16, 128), BF16), S((batch, pages), I32), S((batch,), I32))
     assert "paged_decode_attention" in text
 
 
-def test_decode_with_sinks_lowers():
-    args = (S((4, 64, 64), BF16), S((8, 64, 16, 64), BF16), S((8, 64, 16, 64), BF16), S((4, 16), I32),
+@pytest.mark.parametrize("num_splits", [1, 8])
+def test_decode_with_sinks_lowers(num_splits):
+    # One pass adds the sinks itself; split, the combine kernel adds them.
+    args = (S((4, 64, 64), BF16), S((8, 1024, 16, 64), BF16), S((8, 1024, 16, 64), BF16), S((4, 256), I32),
             S((4,), I32), S((64,), jnp.float32))
-    text = _lower_for_gpu(lambda q, k, v, bt, n, sinks: paged_decode_attention(q, k, v, bt, n, scale=0.1, sinks=sinks),
-                          *args)
-    assert "paged_decode_combine" in text
+    text = _lower_for_gpu(lambda q, k, v, bt, n, sinks: paged_decode_attention(q, k, v, bt, n, scale=0.1, sinks=sinks,
+                                                                               num_splits=num_splits), *args)
+    assert ("paged_decode_combine" in text) == (num_splits > 1)
 
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim, page_size", [(32, 32, 128, 16), (32, 8, 128, 16),
@@ -67,3 +72,26 @@ def test_moe_lowers(tokens, experts, top_k, hidden, inter):
                           S((experts, inter, hidden), BF16), S((experts, inter, hidden), BF16),
                           S((experts, hidden, inter), BF16))
     assert "moe_gate_up" in text and "moe_down" in text
+
+
+@pytest.mark.parametrize("router, tokens, experts, top_k", [("softmax_topk", 1, 128, 8), ("topk_softmax", 4096, 32, 4),
+                                                            ("sigmoid_bias", 7, 256, 6)])
+def test_router_lowers(router, tokens, experts, top_k):
+    text = _lower_for_gpu(lambda logits, bias: route(logits, router=router, top_k=top_k, correction_bias=bias),
+                          S((tokens, experts), BF16), S((experts,), jnp.float32))
+    assert "moe_route" in text
+
+
+@pytest.mark.parametrize("tokens, heads, kv_heads, rotary_dim, qk_norm", [
+    (1, 32, 4, 128, True),     # Qwen3 decode
+    (8192, 32, 8, 128, False),  # Llama prefill
+    (16, 16, 2, 64, False),    # partial rotary
+])
+def test_rotary_cache_write_lowers(tokens, heads, kv_heads, rotary_dim, qk_norm):
+    norms = (S((128,), BF16), S((128,), BF16)) if qk_norm else (None, None)
+    text = _lower_for_gpu(lambda q, k, v, cos, sin, kc, vc, slots, qn, kn: rotary_cache_write(
+        q, k, v, cos, sin, kc, vc, slots, q_norm=qn, k_norm=kn),
+        S((tokens, heads, 128), BF16), S((tokens, kv_heads, 128), BF16), S((tokens, kv_heads, 128), BF16),
+        S((tokens, rotary_dim), jnp.float32), S((tokens, rotary_dim), jnp.float32),
+        S((kv_heads, 600, 16, 128), BF16), S((kv_heads, 600, 16, 128), BF16), S((tokens,), I32), *norms)
+    assert "rotary_cache_write" in text

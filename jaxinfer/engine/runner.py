@@ -185,6 +185,10 @@ class ModelRunner:
     def compile(self, key: CompileKey) -> None:
         self.add_executable(key, self.lower(key).compile())
 
+    def executable(self, key: CompileKey) -> jax.stages.Compiled:
+        """The compiled program for ``key`` (for inspection: its HLO, cost and memory analyses)."""
+        return self._executables[key]
+
     @property
     def compiled_keys(self) -> list[CompileKey]:
         return sorted(self._executables)

@@ -8,7 +8,7 @@ everywhere (for debugging and for measuring what the kernels buy).
 
 from __future__ import annotations
 
-from jaxinfer.kernels.attention import decode_pallas, prefill_pallas, reference
+from jaxinfer.kernels.attention import decode_pallas, prefill_pallas, reference, rotary_pallas
 from jaxinfer.kernels.dispatch import OpDispatcher
 
 _dispatch = OpDispatcher(
@@ -16,11 +16,14 @@ _dispatch = OpDispatcher(
     {
         "reference": {
             "write_kv_cache": reference.write_kv_cache,
+            "rotary_cache_write": reference.rotary_cache_write,
             "ragged_paged_attention": reference.ragged_paged_attention,
             "paged_decode_attention": reference.paged_decode_attention,
         },
         "pallas": {
-            # The cache write stays an XLA scatter: with the caches donated it updates in place.
+            # A bare cache write stays an XLA scatter (with the caches donated it updates in place);
+            # fused with the q/k norm and RoPE before it, it is one kernel instead of about seven.
+            "rotary_cache_write": rotary_pallas.rotary_cache_write,
             "paged_decode_attention": decode_pallas.paged_decode_attention,
             "ragged_paged_attention": prefill_pallas.ragged_paged_attention,
         },
@@ -33,6 +36,10 @@ implementation_name = _dispatch.implementation_name
 
 def write_kv_cache(k_cache, v_cache, k, v, slot_mapping):
     return _dispatch("write_kv_cache")(k_cache, v_cache, k, v, slot_mapping)
+
+
+def rotary_cache_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, **options):
+    return _dispatch("rotary_cache_write")(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, **options)
 
 
 def ragged_paged_attention(q, k_cache, v_cache, md, **options):

@@ -1,15 +1,17 @@
 """Paged decode attention in Pallas (Triton lowering): split-KV flash decoding.
 
 One query token per sequence. Grid ``(sequence, kv_head, split)``: each program takes the ``G``
-query heads that share one KV head (padded to 16 rows for the tensor cores), walks its share of the
-sequence's pages ``block_tokens`` keys at a time through the block table, and keeps an online softmax
-in float32. Splitting the KV length over programs keeps the GPU busy when there are few sequences.
+query heads that share one KV head (padded to 16 rows for the tensor cores as it loads them), walks
+its share of the sequence's pages ``block_tokens`` keys at a time through the block table, and keeps
+an online softmax in float32. Splitting the KV length over programs keeps the GPU busy when there are few sequences.
 Pages a sliding window has left behind are skipped, not masked.
 
 A second, small kernel merges the splits' partial results (``o``, row max ``m``, row sum ``l``) of
 the real heads, adds the attention-sink logits and writes the output in the query's dtype: one
 launch instead of the several small XLA kernels a jnp epilogue becomes (a large share of the step at
-batch 1).
+batch 1). With one split the main kernel normalises and writes the output itself, with no second
+launch. The defaults still split as far as there are blocks at small batches: on the H200 a program
+takes ~4 us per KV block in series (``gpu_check.py --sweep-splits``), more than the combine costs.
 
 A KV block is ``block_tokens`` tokens: several small pages gathered through the block table, or a
 slice of one large page. Reading each split's page ids up front, before its loop, was measured on the
@@ -35,8 +37,22 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, o_ref, m_ref, l_ref, *, scale, page_size, block_tokens,
-            blocks_per_split, sliding_window, logit_softcap):
+def _load_query(q_ref, rows: int):
+    """The program's ``G`` query rows as ``[rows, d]`` (``rows >= 16`` for the tensor cores), the
+    padding rows zero: a masked gather in the kernel instead of a padded copy of ``q`` before it."""
+    group, head_dim = q_ref.shape
+    if group == rows:
+        return q_ref[...]
+    row = jnp.minimum(lax.broadcasted_iota(jnp.int32, (rows, head_dim), 0), group - 1)
+    col = lax.broadcasted_iota(jnp.int32, (rows, head_dim), 1)
+    return plgpu.load(q_ref.at[row, col], mask=lax.broadcasted_iota(jnp.int32, (rows, head_dim), 0) < group,
+                      other=0.0)
+
+
+def _kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, *rest, rows, scale, page_size, block_tokens, blocks_per_split,
+            sliding_window, logit_softcap, final, has_sinks, num_heads_per_kv):
+    """One (sequence, KV head, split): the online softmax over the split's blocks. ``final`` (one
+    split): normalise, add the sinks and write the output; else write the partial ``o``, ``m``, ``l``."""
     split = pl.program_id(2)
     length = len_ref[0]
     lo_block = split * blocks_per_split
@@ -44,8 +60,8 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, o_ref, m_ref, l_ref, *, scale,
     if sliding_window:
         first_visible = jnp.maximum(length - sliding_window, 0)  # query at length-1 sees j > length-1-W
         lo_block = jnp.maximum(lo_block, first_visible // block_tokens)
-    q = q_ref[...]
-    rows, head_dim = q.shape
+    q = _load_query(q_ref, rows)
+    head_dim = q.shape[1]
 
     def load_block(ref, block):
         if block_tokens >= page_size:  # gather whole pages
@@ -78,9 +94,31 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, o_ref, m_ref, l_ref, *, scale,
     init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), _MASK, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
     o, m, l = lax.fori_loop(lo_block, jnp.maximum(lo_block, hi_block), body, init)
-    o_ref[...] = o
-    m_ref[...] = m
-    l_ref[...] = l
+    if not final:
+        o_ref, m_ref, l_ref = rest
+        o_ref[...] = o
+        m_ref[...] = m
+        l_ref[...] = l
+        return
+    sink_ref, out_ref = rest if has_sinks else (None, *rest)
+    group = num_heads_per_kv
+    real_row = lax.broadcasted_iota(jnp.int32, (rows,), 0) < group
+    m_max = m
+    if has_sinks:  # this program's G sink logits, -inf on padding rows
+        head = pl.program_id(1) * group + jnp.minimum(lax.broadcasted_iota(jnp.int32, (rows,), 0), group - 1)
+        sink = plgpu.load(sink_ref.at[head], mask=real_row, other=-jnp.inf).astype(jnp.float32)
+        m_max = jnp.maximum(m, sink)
+    weight = jnp.exp(m - m_max)
+    denom = l * weight
+    if has_sinks:
+        denom += jnp.exp(sink - m_max)
+    out = (o * (weight / jnp.where(denom == 0, 1.0, denom))[:, None]).astype(out_ref.dtype)
+    if out_ref.shape[0] == rows:
+        out_ref[...] = out
+    else:  # the real rows of the padded tile
+        row = jnp.minimum(lax.broadcasted_iota(jnp.int32, (rows, head_dim), 0), group - 1)
+        col = lax.broadcasted_iota(jnp.int32, (rows, head_dim), 1)
+        plgpu.store(out_ref.at[row, col], out, mask=lax.broadcasted_iota(jnp.int32, (rows, head_dim), 0) < group)
 
 
 def _combine_kernel(o_ref, m_ref, l_ref, *rest, num_splits: int, has_sinks: bool):
@@ -149,7 +187,6 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale
     auto_tokens, auto_splits = default_blocking(num_seqs, num_kv_heads, block_tables.shape[1], page_size, head_dim,
                                                 q.dtype.itemsize)
     block_tokens = block_tokens or auto_tokens
-    pages_per_block = max(1, block_tokens // page_size)
     tokens_per_seq = block_tables.shape[1] * page_size
     num_blocks = -(-tokens_per_seq // block_tokens)
     blocks_per_split = -(-num_blocks // min(num_blocks, num_splits or auto_splits))
@@ -158,41 +195,61 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale
     padded_pages = -(-num_splits * blocks_per_split * block_tokens // page_size)
     block_tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_pages - block_tables.shape[1])))
 
+    # A power-of-two group is padded to ``rows`` inside the kernel; any other is padded here (Triton
+    # blocks are powers of two).
+    q_group = group if _next_pow2(group) == group else rows
     q_rows = q.reshape(num_seqs, num_kv_heads, group, head_dim)
-    if rows != group:
-        q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
-    kernel = functools.partial(_kernel, scale=scale, page_size=page_size, block_tokens=block_tokens,
+    if q_group != group:
+        q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, q_group - group), (0, 0)))
+    final = num_splits == 1  # one pass writes the output; no partial results to merge
+    kernel = functools.partial(_kernel, rows=rows, scale=scale, page_size=page_size, block_tokens=block_tokens,
                                blocks_per_split=blocks_per_split, sliding_window=sliding_window,
-                               logit_softcap=logit_softcap)
+                               logit_softcap=logit_softcap, final=final, has_sinks=final and sinks is not None,
+                               num_heads_per_kv=group)
     cache_spec = pl.BlockSpec((None,) + k_cache.shape[1:], lambda s, h, k: (h, 0, 0, 0))
-    # The split axis is allocated to a power of two for the combine kernel; splits past num_splits
-    # are never written and the combine masks them.
-    split_slots = _next_pow2(num_splits)
-    partial_shape = (num_seqs, num_kv_heads, split_slots, rows)
-    o, m, l = pl.pallas_call(
-        kernel,
-        grid=(num_seqs, num_kv_heads, num_splits),
-        in_specs=[
-            pl.BlockSpec((None, None, rows, head_dim), lambda s, h, k: (s, h, 0, 0)),
-            cache_spec,
-            cache_spec,
-            pl.BlockSpec((None, padded_pages), lambda s, h, k: (s, 0)),
-            pl.BlockSpec((None, 1), lambda s, h, k: (s, 0)),
-        ],
-        out_specs=[
+    inputs = [q_rows, k_cache, v_cache, block_tables, seq_lens.astype(jnp.int32)[:, None]]
+    in_specs = [
+        pl.BlockSpec((None, None, q_group, head_dim), lambda s, h, k: (s, h, 0, 0)),
+        cache_spec,
+        cache_spec,
+        pl.BlockSpec((None, padded_pages), lambda s, h, k: (s, 0)),
+        pl.BlockSpec((None, 1), lambda s, h, k: (s, 0)),
+    ]
+    if final:
+        if sinks is not None:
+            inputs.append(sinks)
+            in_specs.append(pl.BlockSpec(sinks.shape, lambda s, h, k: (0,)))
+        # The padding rows are not stored on the GPU (a masked store); the interpreter's masked store
+        # reads and rewrites the masked addresses, so there they get rows of their own.
+        out_rows = rows if interpret else q_group
+        out_specs = pl.BlockSpec((None, None, out_rows, head_dim), lambda s, h, k: (s, h, 0, 0))
+        out_shape = jax.ShapeDtypeStruct((num_seqs, num_kv_heads, out_rows, head_dim), q.dtype)
+    else:
+        # The split axis is allocated to a power of two for the combine kernel; splits past
+        # num_splits are never written and the combine masks them.
+        split_slots = _next_pow2(num_splits)
+        partial_shape = (num_seqs, num_kv_heads, split_slots, rows)
+        out_specs = [
             pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, k: (s, h, k, 0, 0)),
             pl.BlockSpec((None, None, None, rows), lambda s, h, k: (s, h, k, 0)),
             pl.BlockSpec((None, None, None, rows), lambda s, h, k: (s, h, k, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct(partial_shape + (head_dim,), jnp.float32),
-            jax.ShapeDtypeStruct(partial_shape, jnp.float32),
-            jax.ShapeDtypeStruct(partial_shape, jnp.float32),
-        ],
+        ]
+        out_shape = [jax.ShapeDtypeStruct(partial_shape + (head_dim,), jnp.float32),
+                     jax.ShapeDtypeStruct(partial_shape, jnp.float32),
+                     jax.ShapeDtypeStruct(partial_shape, jnp.float32)]
+    result = pl.pallas_call(
+        kernel,
+        grid=(num_seqs, num_kv_heads, num_splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="paged_decode_attention",
-    )(q_rows, k_cache, v_cache, block_tables, seq_lens.astype(jnp.int32)[:, None])
+    )(*inputs)
+    if final:
+        return result[:, :, :group].reshape(num_seqs, num_heads, head_dim)
+    o, m, l = result
 
     # The merge reads the first group_rows rows (the real heads, padded to a power of two).
     group_rows = _next_pow2(group)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxinfer.cache.metadata import AttentionMetadata
+from jaxinfer.kernels.math import apply_rotary, rms_norm
 
 
 def write_kv_cache(k_cache, v_cache, k, v, slot_mapping):
@@ -28,6 +29,19 @@ def write_kv_cache(k_cache, v_cache, k, v, slot_mapping):
         return flat.reshape(cache.shape)
 
     return scatter(k_cache, k), scatter(v_cache, v)
+
+
+def rotary_cache_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, *, q_norm=None, k_norm=None,
+                       norm_eps: float = 1e-6):
+    """The step between the q/k/v projections and attention: optional per-head RMSNorm of q and k
+    (weights ``q_norm``/``k_norm`` [head_dim], Qwen3's), RoPE on both, then k and v into the cache.
+
+    q [T, heads, d], k/v [T, kv_heads, d], cos/sin [T, rotary_dim] float32 -> (q, k_cache, v_cache).
+    """
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, norm_eps), rms_norm(k, k_norm, norm_eps)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    return (q, *write_kv_cache(k_cache, v_cache, k, v, slot_mapping))
 
 
 def _gather_sequences(cache, block_tables):

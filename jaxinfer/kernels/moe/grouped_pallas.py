@@ -20,7 +20,8 @@ in ``x``'s dtype, to ``[rows, I_pad]``.
 
 **Kernel B, down projection**: grid ``(H blocks, row blocks)``. A program multiplies its block's hidden
 rows by its expert's ``[block_n, block_k]`` tiles of ``down`` (walking ``I``), adds the bias, scales
-every row by its routing weight (0 on padding rows) and writes ``[rows, H_pad]`` in ``x``'s dtype.
+every row by its routing weight (gathered by the row's (token, slot) index, rounded to ``x``'s dtype;
+0 on padding rows) and writes ``[rows, H_pad]`` in ``x``'s dtype.
 
 **Combine** (jnp): each (token, slot) gathers its padded row; the ``k`` slots are summed in float32.
 Only real rows are ever read, so padding rows and unused blocks (never written) cannot leak in.
@@ -263,7 +264,7 @@ def _gate_up_kernel(expert_ref, tok_ref, x_ref, gate_ref, up_ref, *rest, hidden:
         h_ref[...] = h.astype(h_ref.dtype)
 
 
-def _down_kernel(expert_ref, weight_ref, h_ref, down_ref, *rest, hidden: int, inter: int, block_k: int,
+def _down_kernel(expert_ref, pair_ref, weight_ref, h_ref, down_ref, *rest, hidden: int, inter: int, block_k: int,
                  mask_n: bool, mask_k: bool, has_bias: bool, precision):
     if has_bias:
         bias_ref, o_ref = rest
@@ -285,7 +286,11 @@ def _down_kernel(expert_ref, weight_ref, h_ref, down_ref, *rest, hidden: int, in
         acc = lax.fori_loop(0, pl.cdiv(inter, block_k), body, jnp.zeros((block_m, block_n), jnp.float32))
         if has_bias:
             acc += _load_bias(bias_ref, e, n0, block_n, hidden, mask_n, dtype)[None, :]
-        acc = acc * weight_ref[...][:, None]
+        # Each row's routing weight, gathered from [T * k] and rounded to x's dtype as the reference
+        # rounds it (0 on padding rows).
+        pair = pair_ref[...]
+        w = plgpu.load(weight_ref.at[jnp.maximum(pair, 0)], mask=pair >= 0, other=0.0)
+        acc = acc * w.astype(dtype).astype(jnp.float32)[:, None]
         o_ref[...] = acc.astype(o_ref.dtype)
 
 
@@ -304,8 +309,9 @@ def moe_mlp(x, expert_ids, expert_weights, gate, up, down, *, gate_bias=None, up
             distinct_experts: bool = False):
     """x [T, H]; expert_ids [T, k] int; expert_weights [T, k] -> [T, H] in x's dtype.
 
-    Same semantics as ``reference.moe_mlp``: weights in nn.Linear layout, ``gate``/``up`` [E, I, H],
-    ``down`` [E, H, I], optional biases [E, I], [E, I], [E, H]; expert ids must lie in ``[0, E)``.
+    Same semantics as ``reference.moe_mlp`` (routing weights rounded to x's dtype): weights in
+    nn.Linear layout, ``gate``/``up`` [E, I, H], ``down`` [E, H, I], optional biases [E, I], [E, I],
+    [E, H]; expert ids must lie in ``[0, E)``.
     Tuning (``None``: ``default_block_sizes``): ``block_m`` rows per row block, ``block_n`` output
     columns and ``block_k`` reduction step per program, Triton ``num_warps``/``num_stages``; a given
     value applies to both kernels; ``gate_up_tuning`` / ``down_tuning`` (``KernelTuning``) set one kernel
@@ -354,12 +360,8 @@ def moe_mlp(x, expert_ids, expert_weights, gate, up, down, *, gate_bias=None, up
         grouping = group_by_expert(expert_ids, num_experts, block_m)
     nb = grouping.block_expert.shape[0]
     rows = nb * block_m
-    valid = grouping.row_pair >= 0
-    pair = jnp.maximum(grouping.row_pair, 0)
-    row_token = jnp.where(valid, pair // top_k, -1).reshape(nb, block_m)
-    # The reference multiplies in x's dtype: round the routing weights to it.
-    w = expert_weights.reshape(-1).astype(x.dtype).astype(jnp.float32)
-    row_weight = jnp.where(valid, w[pair], 0.0).reshape(nb, block_m)
+    row_pair = grouping.row_pair.reshape(nb, block_m)
+    row_token = jnp.where(row_pair >= 0, row_pair // top_k, -1)
     block_expert = grouping.block_expert[:, None]  # [NB, 1]
 
     precision = lax.Precision.HIGHEST if jnp.dtype(x.dtype) == jnp.float32 else None
@@ -396,10 +398,12 @@ def moe_mlp(x, expert_ids, expert_weights, gate, up, down, *, gate_bias=None, up
     )(*inputs)
 
     # Kernel B: out [rows, H_pad] = weight * (hidden @ down[e].T + down_bias[e]).
-    inputs = [block_expert, row_weight, h, down]
+    flat_weights = expert_weights.reshape(-1)
+    inputs = [block_expert, row_pair, flat_weights, h, down]
     in_specs = [
         pl.BlockSpec((None, 1), lambda n, b: (b, 0)),
         pl.BlockSpec((None, block_m), lambda n, b: (b, 0)),
+        pl.BlockSpec(flat_weights.shape, lambda n, b: (0,)),
         pl.BlockSpec((block_m, inter_pad), lambda n, b: (b, 0)),
         pl.BlockSpec(down.shape, lambda n, b: (0, 0, 0)),
     ]

@@ -1,4 +1,18 @@
-"""Plain-jnp mixture-of-experts MLP: the semantic truth for the grouped-GEMM kernels.
+"""Plain-jnp mixture-of-experts routing and MLP: the semantic truth for the kernels.
+
+**Routing** (``route``; scores in float32):
+
+* ``softmax_topk`` (Qwen3-MoE, Mixtral, Qwen3-Next): softmax over all experts, top-k, renormalised
+  when ``norm_topk_prob``.
+* ``sigmoid_bias`` (DeepSeek-V3, MiniMax-M2, Kimi): sigmoid scores; experts are *chosen* by score +
+  ``correction_bias`` (optionally within the best ``topk_group`` of ``n_group`` groups, a group scored
+  by the sum of its top-2), *weighted* by the unbiased score, normalised when ``norm_topk_prob``
+  (``/ (sum + norm_eps)``), then scaled by ``routed_scaling_factor``.
+* ``topk_softmax`` (GPT-OSS): top-k of the (biased) router logits, softmax over those k.
+
+Ties go to the lower expert index (``jax.lax.top_k``'s order).
+
+**Expert MLP** (``moe_mlp``):
 
 Every token's ``k`` (token, expert) assignments are sorted by expert so that each expert's rows are
 contiguous, the expert MLPs run as grouped matmuls (``jax.lax.ragged_dot``), and the weighted rows
@@ -25,12 +39,46 @@ def gated_activation(gate, up, activation: str = "silu", alpha: float = 1.702, l
     raise ValueError(f"unknown MoE activation {activation!r}")
 
 
+ROUTERS = ("softmax_topk", "sigmoid_bias", "topk_softmax")
+
+
+def route(logits, *, router: str, top_k: int, norm_topk_prob: bool = True, norm_eps: float = 0.0,
+          routed_scaling_factor: float = 1.0, n_group: int = 1, topk_group: int = 1, correction_bias=None):
+    """Router logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int32)."""
+    logits = logits.astype(jnp.float32)
+    if router == "softmax_topk":
+        weights, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
+        if norm_topk_prob:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        return weights, ids
+    if router == "topk_softmax":
+        values, ids = jax.lax.top_k(logits, top_k)
+        return jax.nn.softmax(values, axis=-1), ids
+    if router != "sigmoid_bias":
+        raise ValueError(f"unknown router {router!r}; known: {ROUTERS}")
+    scores = jax.nn.sigmoid(logits)
+    choice = scores if correction_bias is None else scores + correction_bias.astype(jnp.float32)
+    if n_group > 1:
+        t, e = choice.shape
+        grouped = choice.reshape(t, n_group, e // n_group)
+        group_scores = jax.lax.top_k(grouped, 2)[0].sum(axis=-1)
+        kept = jax.lax.top_k(group_scores, topk_group)[1]
+        keep = jnp.zeros((t, n_group), bool).at[jnp.arange(t)[:, None], kept].set(True)
+        choice = jnp.where(jnp.repeat(keep, e // n_group, axis=1), choice, 0.0)
+    ids = jax.lax.top_k(choice, top_k)[1]
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + norm_eps)
+    return weights * routed_scaling_factor, ids
+
+
 def moe_mlp(x, expert_ids, expert_weights, gate, up, down, *, gate_bias=None, up_bias=None, down_bias=None,
             activation: str = "silu", alpha: float = 1.702, limit: float = 7.0, distinct_experts: bool = False):
     """x [T, H]; expert_ids [T, k] int; expert_weights [T, k] -> [T, H] in x's dtype.
 
-    ``distinct_experts`` (each token's k ids differ, as top-k routing gives) is a promise kernels
-    may use; the reference needs nothing from it.
+    The routing weights (any float dtype) are rounded to x's dtype before they scale the expert
+    outputs, as HF casts them to the hidden states' dtype. ``distinct_experts`` (each token's k ids
+    differ, as top-k routing gives) is a promise kernels may use; the reference needs nothing from it.
     """
     num_tokens, top_k = expert_ids.shape
     num_experts = gate.shape[0]
@@ -46,7 +94,7 @@ def moe_mlp(x, expert_ids, expert_weights, gate, up, down, *, gate_bias=None, up
 
     hidden = gated_activation(grouped(rows, gate, gate_bias), grouped(rows, up, up_bias), activation, alpha, limit)
     out = grouped(hidden, down, down_bias)  # [T*k, H]
-    weighted = out * expert_weights.reshape(-1)[order][:, None].astype(out.dtype)
+    weighted = out * expert_weights.reshape(-1)[order][:, None].astype(x.dtype).astype(out.dtype)
     # Back to (token, slot) order, then sum each token's k slots.
     unsorted = jnp.zeros_like(weighted).at[order].set(weighted)
     return unsorted.reshape(num_tokens, top_k, -1).sum(axis=1).astype(x.dtype)

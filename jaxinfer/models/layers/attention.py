@@ -8,13 +8,13 @@ import jax.numpy as jnp
 from jaxinfer.cache.metadata import AttentionMetadata
 from jaxinfer.kernels import attention as attention_ops
 from jaxinfer.models.layers.linear import Linear
-from jaxinfer.models.layers.norm import RMSNorm
-from jaxinfer.models.layers.rope import apply_rotary
+from jaxinfer.models.layers.norm import NormWeight, RMSNorm
 
 
 class PagedGQAttention(nn.Module):
     """q/k/v projections -> optional q/k RMSNorm -> RoPE -> cache write -> attention (optional sliding
-    window and sinks) -> o_proj.
+    window and sinks) -> o_proj. A per-head q/k norm, RoPE and the cache write are one op
+    (``rotary_cache_write``).
 
     KV head ``j`` serves query heads ``[j*g, (j+1)*g)`` (HF's ``repeat_kv``), ``g = heads // kv_heads``.
     """
@@ -39,15 +39,16 @@ class PagedGQAttention(nn.Module):
         k = proj(self.num_kv_heads * self.head_dim, self.qkv_bias, "k_proj")(x)
         v = proj(self.num_kv_heads * self.head_dim, self.qkv_bias, "v_proj")(x).reshape(t, self.num_kv_heads, self.head_dim)
         norm = lambda name: RMSNorm(self.qk_norm_eps, param_dtype=self.param_dtype, name=name)  # noqa: E731
+        norms = {}
         if self.qk_norm_eps is not None and self.qk_norm == "full":
             q, k = norm("q_norm")(q), norm("k_norm")(k)
+        elif self.qk_norm_eps is not None:  # per head: fused into the RoPE + cache-write op
+            norms = dict(q_norm=NormWeight(self.head_dim, self.param_dtype, name="q_norm")(),
+                         k_norm=NormWeight(self.head_dim, self.param_dtype, name="k_norm")(),
+                         norm_eps=self.qk_norm_eps)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm_eps is not None and self.qk_norm == "head":
-            q, k = norm("q_norm")(q), norm("k_norm")(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-
-        k_cache, v_cache = attention_ops.write_kv_cache(*kv_cache, k, v, md.slot_mapping)
+        q, k_cache, v_cache = attention_ops.rotary_cache_write(q, k, v, cos, sin, *kv_cache, md.slot_mapping, **norms)
         options = dict(scale=self.scale or self.head_dim**-0.5, sliding_window=self.sliding_window)
         if self.sinks:
             options["sinks"] = self.param("sinks", nn.initializers.normal(0.02), (self.num_heads,), self.param_dtype)

@@ -1,14 +1,8 @@
 """The mixture-of-experts block, one implementation with pluggable routers.
 
-Routers (all score in float32):
-
-* ``softmax_topk`` (Qwen3-MoE, Mixtral, Qwen3-Next): softmax over all experts, top-k, renormalised
-  when ``norm_topk_prob``.
-* ``sigmoid_bias`` (DeepSeek-V3, MiniMax-M2, Kimi): sigmoid scores; experts are *chosen* by score +
-  ``e_score_correction_bias`` (optionally within the best ``topk_group`` of ``n_group`` groups, a
-  group scored by the sum of its top-2), *weighted* by the unbiased score, normalised when
-  ``norm_topk_prob`` (``/ (sum + norm_eps)``), then scaled by ``routed_scaling_factor``.
-* ``topk_softmax`` (GPT-OSS): top-k of the (biased) router logits, softmax over those k.
+Routers (``softmax_topk``, ``sigmoid_bias``, ``topk_softmax``; semantics in
+``jaxinfer.kernels.moe.reference.route``) run through ``jaxinfer.kernels.moe.route``; a sigmoid
+router's ``e_score_correction_bias`` is a parameter of this block.
 
 Experts are stored stacked in nn.Linear orientation (``gate``/``up`` ``[E, I, H]``, ``down``
 ``[E, H, I]``) and run through ``jaxinfer.kernels.moe.moe_mlp``. An optional shared expert (a plain
@@ -27,7 +21,7 @@ from jaxinfer.kernels import moe as moe_ops
 from jaxinfer.models.layers.linear import Linear
 from jaxinfer.models.layers.mlp import GatedMLP
 
-ROUTERS = ("softmax_topk", "sigmoid_bias", "topk_softmax")
+ROUTERS = moe_ops.ROUTERS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,30 +50,10 @@ class MoESpec:
 
 
 def route(logits, spec: MoESpec, correction_bias=None):
-    """Router logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int32)."""
-    logits = logits.astype(jnp.float32)
-    if spec.router == "softmax_topk":
-        weights, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), spec.top_k)
-        if spec.norm_topk_prob:
-            weights = weights / weights.sum(axis=-1, keepdims=True)
-        return weights, ids
-    if spec.router == "topk_softmax":
-        values, ids = jax.lax.top_k(logits, spec.top_k)
-        return jax.nn.softmax(values, axis=-1), ids
-    scores = jax.nn.sigmoid(logits)
-    choice = scores if correction_bias is None else scores + correction_bias.astype(jnp.float32)
-    if spec.n_group > 1:
-        t, e = choice.shape
-        grouped = choice.reshape(t, spec.n_group, e // spec.n_group)
-        group_scores = jax.lax.top_k(grouped, 2)[0].sum(axis=-1)
-        kept = jax.lax.top_k(group_scores, spec.topk_group)[1]
-        keep = jnp.zeros((t, spec.n_group), bool).at[jnp.arange(t)[:, None], kept].set(True)
-        choice = jnp.where(jnp.repeat(keep, e // spec.n_group, axis=1), choice, 0.0)
-    ids = jax.lax.top_k(choice, spec.top_k)[1]
-    weights = jnp.take_along_axis(scores, ids, axis=-1)
-    if spec.norm_topk_prob:
-        weights = weights / (weights.sum(axis=-1, keepdims=True) + spec.norm_eps)
-    return weights * spec.routed_scaling_factor, ids
+    """Router logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int32), as ``spec`` routes."""
+    return moe_ops.route(logits, router=spec.router, top_k=spec.top_k, norm_topk_prob=spec.norm_topk_prob,
+                         norm_eps=spec.norm_eps, routed_scaling_factor=spec.routed_scaling_factor,
+                         n_group=spec.n_group, topk_group=spec.topk_group, correction_bias=correction_bias)
 
 
 class SparseMoE(nn.Module):
@@ -89,13 +63,14 @@ class SparseMoE(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        spec, hidden = self.spec, x.shape[-1]
+        spec = self.spec
         logits = Linear(spec.num_experts, spec.router_bias, self.param_dtype, name=spec.router_name)(x)
         correction = None
         if spec.router == "sigmoid_bias":
             correction = self.param("e_score_correction_bias", nn.initializers.zeros, (spec.num_experts,), jnp.float32)
+        # float32 weights: the expert op rounds them to x's dtype, as HF casts them (rounding there
+        # spares a separate cast kernel between the router and the experts).
         weights, ids = route(logits, spec, correction)
-        weights = weights.astype(x.dtype)  # HF casts the routing weights to the activation dtype
         out = Experts(spec, self.param_dtype, name="experts")(x, ids, weights)
         if spec.shared_intermediate_size:
             shared = GatedMLP(spec.shared_intermediate_size, self.hidden_act, False, self.param_dtype,

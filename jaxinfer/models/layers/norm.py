@@ -1,18 +1,14 @@
 """RMSNorm, in the two flavours HF uses."""
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
+
+from jaxinfer.kernels.math import rms_norm
 
 
 class RMSNorm(nn.Module):
-    """Normalises in float32.
-
-    ``unit_offset=False`` (Llama, Qwen, Mistral): ``weight * x_normed.astype(input_dtype)``, the
-    weight initialised to ones; with ``float32_weight`` (GPT-OSS) the product is taken in float32
-    and cast back. ``unit_offset=True`` (Gemma, Qwen3-Next): ``x_normed * (1 + weight)`` computed in
-    float32 and cast back, the weight initialised to zeros. The variants differ only below float32.
-    """
+    """``jaxinfer.kernels.math.rms_norm`` with its weight as a parameter: initialised to ones, or to
+    zeros with ``unit_offset`` (Gemma, Qwen3-Next: ``x_normed * (1 + weight)``)."""
 
     eps: float
     unit_offset: bool = False
@@ -23,11 +19,17 @@ class RMSNorm(nn.Module):
     def __call__(self, x):
         init = nn.initializers.zeros if self.unit_offset else nn.initializers.ones
         weight = self.param("weight", init, (x.shape[-1],), self.param_dtype)
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        if self.unit_offset:
-            return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
-        if self.float32_weight:
-            return (weight.astype(jnp.float32) * x32).astype(x.dtype)
-        return weight * x32.astype(x.dtype)
+        return rms_norm(x, weight, self.eps, unit_offset=self.unit_offset, float32_weight=self.float32_weight)
 
+
+
+class NormWeight(nn.Module):
+    """An RMSNorm's weight alone (initialised to ones, at ``<name>/weight`` as RMSNorm keeps it), for
+    ops that apply the norm themselves."""
+
+    size: int
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self):
+        return self.param("weight", nn.initializers.ones, (self.size,), self.param_dtype)

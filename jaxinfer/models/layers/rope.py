@@ -134,21 +134,3 @@ class RotaryEmbedding:
         emb = jnp.concatenate([freqs, freqs], axis=-1)
         scale = self.attention_scaling
         return jnp.cos(emb) * scale, jnp.sin(emb) * scale
-
-
-def rotate_half(x):
-    half = x.shape[-1] // 2
-    return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-
-
-def apply_rotary(x, cos, sin):
-    """Rotates the first ``cos.shape[-1]`` dims of ``x`` [T, heads, head_dim]; the rest pass through.
-
-    cos/sin are cast to x's dtype first, as HF does.
-    """
-    rotary_dim = cos.shape[-1]
-    cos = cos.astype(x.dtype)[:, None, :]
-    sin = sin.astype(x.dtype)[:, None, :]
-    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
-    x_rot = x_rot * cos + rotate_half(x_rot) * sin
-    return jnp.concatenate([x_rot, x_pass], axis=-1) if x_pass.shape[-1] else x_rot

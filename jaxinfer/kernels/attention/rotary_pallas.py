@@ -1,0 +1,117 @@
+"""q/k RMSNorm, RoPE and the KV-cache write in one Pallas kernel (Triton lowering).
+
+Same semantics as ``reference.rotary_cache_write``. Between the projections and attention, XLA makes
+this step about seven small kernels per layer (q norm, k norm, two RoPE concatenations, the v
+select, two cache updates), each a microsecond or more: a large share of a one-token decode step.
+Here one program per token loads its q/k/v heads, normalises them per head in float32, rotates the
+first ``rotary_dim`` dims (the ``rotate_half`` partner of each column is a second, gathered load of
+the same row, which hits L1), writes the rotated q and stores k and v straight into their cache slot
+(the caches are aliased in place).
+
+Power-of-two head counts and head dims only (Triton blocks); any other shape runs the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxinfer.kernels.attention import reference
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def _kernel(slot_ref, q_ref, k_ref, v_ref, cos_ref, sin_ref, *rest, has_norm: bool, eps: float, rotary_dim: int,
+            page_size: int, num_slots: int):
+    if has_norm:
+        q_norm_ref, k_norm_ref, _, _, q_out_ref, k_cache_ref, v_cache_ref = rest
+    else:
+        _, _, q_out_ref, k_cache_ref, v_cache_ref = rest
+        q_norm_ref = k_norm_ref = None
+    t = pl.program_id(0)
+    head_dim = q_ref.shape[-1]
+    half = rotary_dim // 2
+    col = lax.broadcasted_iota(jnp.int32, (head_dim,), 0)
+    in_rotary = col < rotary_dim
+    partner = jnp.where(col < half, col + half, jnp.where(in_rotary, col - half, col))  # rotate_half's source
+    table_col = jnp.minimum(col, rotary_dim - 1)
+    cos = plgpu.load(cos_ref.at[t, table_col], mask=in_rotary, other=0.0)
+    sin = plgpu.load(sin_ref.at[t, table_col], mask=in_rotary, other=0.0)
+
+    def rotate(x_ref, norm_ref):
+        heads = x_ref.shape[0]
+        shape = (heads, head_dim)
+        x = x_ref[...]
+        x_partner = plgpu.load(x_ref.at[lax.broadcasted_iota(jnp.int32, shape, 0), jnp.broadcast_to(partner, shape)])
+        if norm_ref is not None:  # RMSNorm per head, as reference.rms_norm: the row's scale applies to both
+            x32 = x.astype(jnp.float32)
+            scale = lax.rsqrt((x32 * x32).sum(axis=1) / head_dim + eps)[:, None]
+            weight = norm_ref[...]
+            weight_partner = plgpu.load(norm_ref.at[partner])
+            x = weight[None, :] * (x32 * scale).astype(x.dtype)
+            x_partner = weight_partner[None, :] * (x_partner.astype(jnp.float32) * scale).astype(x_partner.dtype)
+        c, s = cos.astype(x.dtype)[None, :], sin.astype(x.dtype)[None, :]
+        rotated = x * c + jnp.where(col[None, :] < half, -x_partner, x_partner) * s
+        return jnp.where(in_rotary[None, :], rotated, x)
+
+    q_out_ref[...] = rotate(q_ref, q_norm_ref).astype(q_out_ref.dtype)
+    k = rotate(k_ref, k_norm_ref)
+    slot = slot_ref[t]
+
+    @pl.when((slot >= 0) & (slot < num_slots))
+    def _():
+        page, offset = slot // page_size, slot % page_size
+        k_cache_ref[:, page, offset, :] = k.astype(k_cache_ref.dtype)
+        v_cache_ref[:, page, offset, :] = v_ref[...].astype(v_cache_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("norm_eps", "interpret"), donate_argnums=(5, 6))
+def rotary_cache_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, *, q_norm=None, k_norm=None,
+                       norm_eps: float = 1e-6, interpret: bool = False):
+    """q [T, heads, d], k/v [T, kv_heads, d], cos/sin [T, rotary_dim] float32, caches [kv_heads, pages,
+    page_size, d] (updated in place), slot_mapping [T] -> (q, k_cache, v_cache); see the reference."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, num_pages, page_size, _ = k_cache.shape
+    rotary_dim = cos.shape[-1]
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm go together")
+    if not (_is_pow2(num_heads) and _is_pow2(num_kv_heads) and _is_pow2(head_dim)) or rotary_dim % 2 or num_tokens == 0:
+        return reference.rotary_cache_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_norm=q_norm,
+                                            k_norm=k_norm, norm_eps=norm_eps)
+    q_out_dtype = jax.eval_shape(functools.partial(reference.rotary_cache_write, norm_eps=norm_eps), q, k, v, cos, sin,
+                                 k_cache, v_cache, slot_mapping, q_norm=q_norm, k_norm=k_norm)[0].dtype
+    has_norm = q_norm is not None
+    whole = lambda x: pl.BlockSpec(x.shape, lambda t: (0,) * x.ndim)  # noqa: E731
+    per_token = lambda x: pl.BlockSpec((None,) + x.shape[1:], lambda t: (t, 0, 0))  # noqa: E731
+    inputs = [slot_mapping.astype(jnp.int32), q, k, v, cos.astype(jnp.float32), sin.astype(jnp.float32)]
+    in_specs = [whole(inputs[0]), per_token(q), per_token(k), per_token(v), whole(inputs[4]), whole(inputs[5])]
+    if has_norm:
+        inputs += [q_norm, k_norm]
+        in_specs += [whole(q_norm), whole(k_norm)]
+    cache_index = len(inputs)
+    inputs += [k_cache, v_cache]
+    in_specs += [whole(k_cache), whole(v_cache)]
+    kernel = functools.partial(_kernel, has_norm=has_norm, eps=float(norm_eps), rotary_dim=rotary_dim,
+                               page_size=page_size, num_slots=num_pages * page_size)
+    return tuple(pl.pallas_call(
+        kernel,
+        grid=(num_tokens,),
+        in_specs=in_specs,
+        out_specs=[per_token(q), whole(k_cache), whole(v_cache)],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q_out_dtype), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
+        input_output_aliases={cache_index: 1, cache_index + 1: 2},
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="rotary_cache_write",
+    )(*inputs))
+
+
+__all__ = ["rotary_cache_write"]

@@ -1,0 +1,41 @@
+"""Plain-jnp building blocks shared by the models and the kernels' references, with HF's dtype
+semantics: RMSNorm and rotary position embeddings."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def rms_norm(x, weight, eps: float, *, unit_offset: bool = False, float32_weight: bool = False):
+    """RMSNorm over the last axis, normalised in float32.
+
+    ``unit_offset=False`` (Llama, Qwen, Mistral): ``weight * x_normed.astype(input_dtype)``; with
+    ``float32_weight`` (GPT-OSS) the product is taken in float32 and cast back. ``unit_offset=True``
+    (Gemma, Qwen3-Next): ``x_normed * (1 + weight)`` in float32, cast back.
+    """
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if unit_offset:
+        return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+    if float32_weight:
+        return (weight.astype(jnp.float32) * x32).astype(x.dtype)
+    return weight * x32.astype(x.dtype)
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def apply_rotary(x, cos, sin):
+    """Rotates the first ``cos.shape[-1]`` dims of ``x`` [T, heads, head_dim]; the rest pass through.
+
+    cos/sin [T, rotary_dim] are cast to x's dtype first, as HF does.
+    """
+    rotary_dim = cos.shape[-1]
+    cos = cos.astype(x.dtype)[:, None, :]
+    sin = sin.astype(x.dtype)[:, None, :]
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    x_rot = x_rot * cos + rotate_half(x_rot) * sin
+    return jnp.concatenate([x_rot, x_pass], axis=-1) if x_pass.shape[-1] else x_rot
