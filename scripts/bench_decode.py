@@ -6,7 +6,7 @@ context): ``--model llama3-8b`` (32 layers, hidden 4096, 32/8 heads, vocab 12825
 The roofline of one step is the bytes it must read over the copy bandwidth measured in the same run:
 every dense weight, the experts the step's tokens touch (for MoE: the expected number of distinct
 experts when each token picks top-k uniformly at random, per layer), and every sequence's KV cache.
-HF transformers (PyTorch, eager, dynamic cache) runs the same dense shapes in a subprocess.
+HF transformers (PyTorch, eager, dynamic cache) runs the same model shape in a subprocess.
 
     PYTHONPATH=. python3 scripts/bench_decode.py                  # writes bench_decode.json to $JAXINFER_BENCH_DIR (or .)
     PYTHONPATH=. python3 scripts/bench_decode.py --layers 4       # a quicker, shallower model
@@ -84,30 +84,66 @@ def matmul_params_per_token(params, config) -> float:
     return dense
 
 
-def bench_jax(args, bandwidth, save):
+def build_engine(model_name: str, layers: int, *, steps: int, max_len: int, max_seqs: int, batched_tokens: int,
+                 num_pages: int | None = None):
+    """A model of ``model_name``'s shape with random bf16 weights, behind an engine (no warm-up)."""
     from jaxinfer.config import ModelConfig
-    from jaxinfer.engine.aot import DECODE, MIXED, CompileKey
-    from jaxinfer.engine.config import EngineConfig, bucket_for
+    from jaxinfer.engine.config import EngineConfig
     from jaxinfer.engine.engine import Engine
-    from jaxinfer.engine.request import Request
-    from jaxinfer.engine.sampling import SamplingParams
     from jaxinfer.loader import LoadedModel
     from jaxinfer.registry import ModelRegistry
     from jaxinfer.sharding import make_mesh
     from jaxinfer.weights import init_params
 
-    config = ModelConfig.from_dict(MODELS[args.model](args.layers))
+    config = ModelConfig.from_dict(MODELS[model_name](layers))
     model_cls = ModelRegistry.resolve(config.architecture)
     params = init_params(model_cls, config, seed=0, dtype=jnp.bfloat16)
-    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     model = LoadedModel("<random>", config, model_cls, model_cls(config, jnp.bfloat16), params, make_mesh(), jnp.bfloat16)
+    engine_config = EngineConfig(max_model_len=max_len, max_num_seqs=max_seqs, max_num_batched_tokens=batched_tokens,
+                                 decode_steps=steps, warmup=False, show_progress=False, max_logprobs=0,
+                                 num_pages=num_pages)
+    return config, params, Engine(model, engine_config)
+
+
+def decode_requests(engine, batch: int, context: int, steps: int):
+    """``batch`` requests whose ``context`` tokens count as already in the cache, and the decode
+    loop's compile key for them (compiled). Decode cost does not depend on the cached values."""
+    from jaxinfer.engine.aot import DECODE, CompileKey
+    from jaxinfer.engine.config import bucket_for
+    from jaxinfer.engine.request import Request
+    from jaxinfer.engine.sampling import SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    requests = []
+    for i in range(batch):
+        r = Request(i, [1] * context, greedy, seed=i, stop_ids=(), max_output_tokens=steps + 1)
+        # A token of its own per sequence: identical inputs would route every sequence of a MoE
+        # model to the same experts and read far fewer expert bytes than real traffic.
+        r.output_token_ids = [1 + i]
+        r.num_computed = context
+        r.pages = engine.scheduler.allocator.allocate(-(-(context + steps) // engine.layout.page_size))
+        requests.append(r)
+    grid = engine.grid
+    num_seqs = bucket_for(batch, grid.seq_buckets)
+    key = CompileKey(DECODE, num_seqs, num_seqs, bucket_for(len(requests[0].pages), grid.page_buckets))
+    engine.runner.compile(key)
+    return requests, key
+
+
+def bench_jax(args, bandwidth, save):
+    from jaxinfer.engine.aot import MIXED, CompileKey
+    from jaxinfer.engine.config import bucket_for
+    from jaxinfer.engine.request import Request
+    from jaxinfer.engine.sampling import SamplingParams
+
     prefill_tokens = max([b * n for b, n in args.prefill] or [0])
     max_len = max([max(args.contexts) + args.steps] + [n for _, n in args.prefill]) + 16
     max_seqs = max(args.batches + [b for b, _ in args.prefill])
-    engine_config = EngineConfig(max_model_len=max_len, max_num_seqs=max_seqs,
-                                 max_num_batched_tokens=max(max_seqs, prefill_tokens), decode_steps=args.steps,
-                                 warmup=False, show_progress=False, max_logprobs=0, num_pages=args.num_pages)
-    engine = Engine(model, engine_config)
+    config, params, engine = build_engine(args.model, args.layers, steps=args.steps, max_len=max_len,
+                                          max_seqs=max_seqs, batched_tokens=max(max_seqs, prefill_tokens),
+                                          num_pages=args.num_pages)
+    engine_config = engine.config
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     kv_bytes_per_token = engine.layout.bytes_per_page // engine.layout.page_size
     rows = []
     greedy = SamplingParams(temperature=0, max_tokens=args.steps + 1, ignore_eos=True)
@@ -115,21 +151,7 @@ def bench_jax(args, bandwidth, save):
         for batch in args.batches:
             if batch * (context + args.steps) > engine.layout.num_pages * engine.layout.page_size:
                 continue
-            # Requests whose cache is taken as already filled (the KV pages hold whatever is there):
-            # decode cost does not depend on the values.
-            requests = []
-            for i in range(batch):
-                r = Request(i, [1] * context, greedy, seed=i, stop_ids=(), max_output_tokens=args.steps + 1)
-                # A token of its own per sequence: identical inputs would route every sequence of a
-                # MoE model to the same experts and read far fewer expert bytes than real traffic.
-                r.output_token_ids = [1 + i]
-                r.num_computed = context
-                r.pages = engine.scheduler.allocator.allocate(-(-(context + args.steps) // engine.layout.page_size))
-                requests.append(r)
-            grid = engine.grid
-            num_seqs = bucket_for(batch, grid.seq_buckets)
-            key = CompileKey(DECODE, num_seqs, num_seqs, bucket_for(len(requests[0].pages), grid.page_buckets))
-            engine.runner.compile(key)
+            requests, key = decode_requests(engine, batch, context, args.steps)
             engine.runner.run_decode(key, requests)  # warm
             times = []
             for _ in range(args.repeats):
@@ -177,17 +199,19 @@ def bench_jax(args, bandwidth, save):
             "num_pages": engine.layout.num_pages, "rows": rows, "prefill": prefill_rows}
 
 
-def bench_hf(layers, batches, context, new_tokens):
+def bench_hf(model_name, layers, batches, context, new_tokens):
     import torch
     import transformers
 
     torch.set_default_dtype(torch.bfloat16)
+    fields = dict(MODELS[model_name](layers))
+    fields.pop("architectures")
+    hf_config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
     with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{
-            k: v for k, v in llama3_8b_config(layers).items() if k not in ("architectures", "model_type")})).eval()
+        model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
     rows = []
     for batch in batches:
-        ids = torch.randint(0, 128256, (batch, context), device="cuda")
+        ids = torch.randint(0, hf_config.vocab_size, (batch, context), device="cuda")
 
         def run(n):
             torch.cuda.synchronize()
@@ -223,13 +247,14 @@ def main():
     if args.layers is None:
         args.layers = {"llama3-8b": 32, "qwen3-30b-a3b": 48}[args.model]
     if args.hf_only:
-        print(json.dumps(bench_hf(args.layers, args.hf_batches, args.hf_context, args.steps)))
+        print(json.dumps(bench_hf(args.model, args.layers, args.hf_batches, args.hf_context, args.steps)))
         return
     result = {"environment": environment(), "model": args.model, "layers": args.layers, "steps_per_call": args.steps}
     if args.hf_batches:
         # PyTorch first, in its own process, so the two frameworks never share the GPU's memory.
-        cmd = [sys.executable, __file__, "--hf-only", "--layers", str(args.layers), "--hf-context",
-               str(args.hf_context), "--steps", str(args.steps), "--hf-batches", *map(str, args.hf_batches)]
+        cmd = [sys.executable, __file__, "--hf-only", "--model", args.model, "--layers", str(args.layers),
+               "--hf-context", str(args.hf_context), "--steps", str(args.steps),
+               "--hf-batches", *map(str, args.hf_batches)]
         out = subprocess.run(cmd, capture_output=True, text=True)
         result["hf"] = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {"error": out.stderr[-2000:]}
         print("hf", result["hf"], flush=True)

@@ -14,7 +14,9 @@ import jax.numpy as jnp
 
 
 def device_time(fn, *args, iters: int = 50, repeats: int = 5, unroll: int = 1) -> float:
-    """Median seconds per call of ``fn(*args)``, whose output must have the first argument's shape.
+    """Median seconds per call of ``fn(*args)``, whose output must have the first argument's shape
+    (the first argument may be a tuple of arrays, e.g. caches updated in place, and the output then
+    a tuple like it).
 
     The calls run inside one jitted ``fori_loop`` that feeds each output back in as the next first
     argument: nothing can be hoisted or sliced away, and no host dispatch sits between calls. Each
@@ -23,7 +25,10 @@ def device_time(fn, *args, iters: int = 50, repeats: int = 5, unroll: int = 1) -
     """
 
     def loop(first, *rest):
-        return jax.lax.fori_loop(0, iters, lambda _, x: fn(x, *rest).astype(x.dtype), first, unroll=unroll)
+        def body(_, x):
+            return jax.tree.map(lambda out, like: out.astype(like.dtype), fn(x, *rest), x)
+
+        return jax.lax.fori_loop(0, iters, body, first, unroll=unroll)
 
     run = jax.jit(loop)
     jax.block_until_ready(run(*args))
@@ -60,9 +65,13 @@ def environment() -> dict:
             "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
-def write_json(name: str, payload: dict) -> str:
-    directory = os.environ.get("JAXINFER_BENCH_DIR") or "."
-    path = os.path.join(directory, name)
+def write_text(name: str, text: str) -> str:
+    """Write ``name`` under ``$JAXINFER_BENCH_DIR`` (default: the working directory); returns its path."""
+    path = os.path.join(os.environ.get("JAXINFER_BENCH_DIR") or ".", name)
     with open(path, "w") as f:
-        json.dump(payload, f, indent=2)
+        f.write(text)
     return path
+
+
+def write_json(name: str, payload: dict) -> str:
+    return write_text(name, json.dumps(payload, indent=2))

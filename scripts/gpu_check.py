@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+import itertools
 import sys
 
 import jax
@@ -43,23 +44,57 @@ def decode_parity():
         dict(num_seqs=5, heads=16, kv_heads=1, head_dim=64, page_size=64, context=2100),
         dict(num_seqs=3, heads=8, kv_heads=8, head_dim=256, page_size=128, context=1500),
         dict(num_seqs=64, heads=64, kv_heads=8, head_dim=64, page_size=32, context=700),
+        dict(num_seqs=7, heads=32, kv_heads=8, head_dim=128, page_size=16, context=3000, num_splits=1),
+        dict(num_seqs=2, heads=48, kv_heads=8, head_dim=128, page_size=16, context=600, num_splits=1),
     ]
     options = {"plain": {}, "window": {"sliding_window": 300}, "softcap": {"logit_softcap": 30.0}, "sinks": "sinks"}
     for case in cases:
+        tuning = {"num_splits": case["num_splits"]} if "num_splits" in case else {}  # one pass, no combine
         for dtype in (jnp.bfloat16, jnp.float32):
-            q, k, v, tables, lengths = _paged_case(dtype=dtype, **case)
+            q, k, v, tables, lengths = _paged_case(dtype=dtype, **{k: v for k, v in case.items() if k != "num_splits"})
             for name, extra in options.items():
                 if extra == "sinks":
                     extra = {"sinks": jax.random.normal(jax.random.PRNGKey(9), (case["heads"],), jnp.float32)}
                 scale = case["head_dim"] ** -0.5
                 ref = reference.paged_decode_attention(q.astype(jnp.float32), k.astype(jnp.float32),
                                                        v.astype(jnp.float32), tables, lengths, scale=scale, **extra)
-                out = paged_decode_attention(q, k, v, tables, lengths, scale=scale, **extra)
+                out = paged_decode_attention(q, k, v, tables, lengths, scale=scale, **extra, **tuning)
                 err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)))
                 tol = 2e-2 if dtype == jnp.bfloat16 else 2e-3
                 results.append({**case, "dtype": jnp.dtype(dtype).name, "options": name, "max_abs_err": err,
                                 "ok": bool(err < tol)})
     return results
+
+
+def rotary_checks():
+    """The fused q/k norm + RoPE + cache write against its reference (parity: the rotated q and every
+    cache slot), and the time of each, at Llama-3-8B and Qwen3 (q/k norm) head shapes."""
+    from jaxinfer.kernels.attention.rotary_pallas import rotary_cache_write
+
+    rows = []
+    for tokens, heads, kv_heads, qk_norm in ((1, 32, 8, False), (1, 32, 4, True), (32, 32, 4, True),
+                                             (8192, 32, 8, False), (8192, 32, 4, True)):
+        keys = jax.random.split(jax.random.PRNGKey(tokens + heads + kv_heads), 6)
+        bf = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)  # noqa: E731
+        q = bf(keys[0], (tokens, heads, 128))
+        k, v = bf(keys[1], (tokens, kv_heads, 128)), bf(keys[2], (tokens, kv_heads, 128))
+        angles = jax.random.uniform(keys[3], (tokens, 64), jnp.float32, 0, 100)
+        cos, sin = jnp.cos(jnp.concatenate([angles, angles], 1)), jnp.sin(jnp.concatenate([angles, angles], 1))
+        num_pages = 2 * tokens // 16 + 4
+        cache = bf(keys[4], (kv_heads, num_pages, 16, 128))
+        slots = jax.random.permutation(keys[5], num_pages * 16)[:tokens].astype(jnp.int32)
+        norms = dict(q_norm=1 + 0.1 * bf(keys[0], (128,)), k_norm=1 + 0.1 * bf(keys[1], (128,))) if qk_norm else {}
+        want = jax.jit(reference.rotary_cache_write)(q, k, v, cos, sin, cache, cache + 1, slots, **norms)
+        got = rotary_cache_write(q, k, v, cos, sin, jnp.array(cache), cache + 1, slots, **norms)
+        errs = [float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32)))) for g, w in zip(got, want)]
+        row = {"tokens": tokens, "heads": heads, "kv_heads": kv_heads, "qk_norm": qk_norm, "max_abs_err_q_k_v": errs,
+               "ok": bool(max(errs) <= 0.0625)}  # 1 bf16 ulp at |x| < 16
+        for name, fn in (("ours_us", rotary_cache_write), ("jnp_us", reference.rotary_cache_write)):
+            step = lambda caches, fn=fn: fn(q, k, v, cos, sin, *caches, slots, **norms)[1:]  # noqa: E731
+            row[name] = device_time(step, (cache, cache + 1), iters=20, repeats=3, unroll=10) * 1e6
+        rows.append(row)
+        print(row, flush=True)
+    return rows
 
 
 # (batch, context) of the decode benchmarks: 32 q / 8 kv heads, d 128, pages of 16, bf16.
@@ -90,8 +125,6 @@ def decode_benchmarks(bandwidth):
 
 def decode_sweep(bandwidth):
     """Block size, split count and stages around the defaults, per benchmark shape."""
-    import itertools
-
     from jaxinfer.kernels.attention.decode_pallas import default_blocking
 
     out = []
@@ -117,10 +150,23 @@ def decode_sweep(bandwidth):
     return out
 
 
+def split_sweep(bandwidth):
+    """Few sequences, short contexts: one pass (no combine) against splitting the KV length."""
+    out = []
+    for batch, kv_heads, context in itertools.product((1, 4), (4, 8), (512, 1024, 2048)):
+        q, k, v, tables, lengths = _paged_case(batch, 32, kv_heads, 128, 16, context, jnp.bfloat16, ragged=False)
+        kv_bytes = 2 * batch * context * kv_heads * 128 * 2
+        for splits in (1, 2, 4, None):
+            fn = functools.partial(paged_decode_attention, scale=128**-0.5, num_splits=splits)
+            seconds = device_time(fn, q, k, v, tables, lengths, iters=20, repeats=3, unroll=10)
+            out.append({"batch": batch, "kv_heads": kv_heads, "context": context, "num_splits": splits or "auto",
+                        "us": seconds * 1e6, "bw_fraction": kv_bytes / seconds / bandwidth})
+            print(out[-1], flush=True)
+    return out
+
+
 def prefill_sweep(flops_rate):
     """Causal 1 x 8192 (32 heads): block sizes, stages and the page size."""
-    import itertools
-
     from jaxinfer.kernels.attention.prefill_pallas import ragged_paged_attention
 
     out = []
@@ -218,6 +264,7 @@ def main():
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="also sweep decode kernel block sizes")
     parser.add_argument("--sweep-prefill", action="store_true", help="also sweep prefill kernel block sizes")
+    parser.add_argument("--sweep-splits", action="store_true", help="also sweep decode split counts at short contexts")
     args = parser.parse_args()
     result = {"environment": environment()}
     result["copy_bandwidth_TBps"] = copy_bandwidth() / 1e12
@@ -228,10 +275,14 @@ def main():
     if not args.skip_decode:
         result["decode_parity"] = decode_parity()
         print("decode parity ok:", all(r["ok"] for r in result["decode_parity"]), flush=True)
+        result["rotary_cache_write"] = rotary_checks()
         result["decode_benchmarks"] = decode_benchmarks(result["copy_bandwidth_TBps"] * 1e12)
     if args.sweep:
         write_json("gpu_check.json", result)
         result["decode_sweep"] = decode_sweep(result["copy_bandwidth_TBps"] * 1e12)
+    if args.sweep_splits:
+        write_json("gpu_check.json", result)
+        result["split_sweep"] = split_sweep(result["copy_bandwidth_TBps"] * 1e12)
     if not args.skip_prefill:
         result["prefill"] = prefill_checks(result["bf16_matmul_TFLOPs"] * 1e12)
     if args.sweep_prefill:

@@ -1,6 +1,6 @@
-"""GPU proof for the MoE grouped-GEMM kernel: parity against the reference at real shapes, and
-benchmarks next to XLA's ragged_dot, jax's Mosaic GPU ragged_dot_mgpu, the dense matmul rate and the
-copy bandwidth, all measured in the same run.
+"""GPU proof for the MoE kernels: parity against the reference at real shapes, and benchmarks of the
+grouped GEMM next to XLA's ragged_dot, jax's Mosaic GPU ragged_dot_mgpu, the dense matmul rate and the
+copy bandwidth, all measured in the same run; the routing kernel against the jnp router it replaces.
 
     PYTHONPATH=. python3 scripts/moe_check.py             # writes moe_check.json to $JAXINFER_BENCH_DIR (or .)
 """
@@ -17,7 +17,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from benchlib import copy_bandwidth, device_time, environment, matmul_rate, timer_overhead, write_json  # noqa: E402
 
 from jaxinfer.kernels.moe import reference  # noqa: E402
-from jaxinfer.kernels.moe import grouped_pallas  # noqa: E402
+from jaxinfer.kernels.moe import grouped_pallas, router_pallas  # noqa: E402
 
 SHAPES = {
     "qwen3-30b-a3b": dict(experts=128, top_k=8, hidden=2048, inter=768, activation="silu", bias=False),
@@ -51,6 +51,38 @@ def parity():
                                          distinct_experts=True)
             err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)) / (jnp.max(jnp.abs(ref)) + 1e-6))
             rows.append({"shape": name, "tokens": tokens, "max_rel_err": err, "ok": bool(err < 3e-2)})
+            print(rows[-1], flush=True)
+    return rows
+
+
+ROUTERS = {  # the routers of the real models, at their expert counts
+    "qwen3-30b-a3b": dict(router="softmax_topk", top_k=8, experts=128),
+    "gpt-oss-20b": dict(router="topk_softmax", top_k=4, experts=32),
+    "minimax-m2": dict(router="sigmoid_bias", top_k=8, experts=256, routed_scaling_factor=1.0),
+}
+
+
+def router_check():
+    """The routing kernel against ``reference.route``: same expert ids, weights to float32 rounding,
+    and the time of each (jnp: softmax, a sort for top-k, the normalisation)."""
+    rows = []
+    for name, cfg in ROUTERS.items():
+        options = {k: v for k, v in cfg.items() if k != "experts"}
+        for tokens in (1, 8, 64, 4096):
+            keys = jax.random.split(jax.random.PRNGKey(tokens), 2)
+            logits = jax.random.normal(keys[0], (tokens, cfg["experts"]), jnp.float32).astype(jnp.bfloat16)
+            bias = 0.1 * jax.random.normal(keys[1], (cfg["experts"],), jnp.float32)
+            if cfg["router"] == "sigmoid_bias":
+                options["correction_bias"] = bias
+            ref_w, ref_ids = reference.route(logits, **options)
+            w, ids = router_pallas.route(logits, **options)
+            same_ids = bool(jnp.all(ids == ref_ids))
+            err = float(jnp.max(jnp.abs(w - ref_w)))
+            run = lambda fn: lambda x: fn(x, **options)[0].sum().astype(x.dtype) + x  # noqa: E731
+            ours = device_time(run(router_pallas.route), logits, iters=20, unroll=10)
+            jnp_router = device_time(run(reference.route), logits, iters=20, unroll=10)
+            rows.append({"router": name, "tokens": tokens, "same_ids": same_ids, "max_abs_weight_err": err,
+                         "ok": same_ids and err < 1e-5, "ours_us": ours * 1e6, "jnp_us": jnp_router * 1e6})
             print(rows[-1], flush=True)
     return rows
 
@@ -174,6 +206,8 @@ def main():
     if not args.skip_parity:
         result["parity"] = parity()
         write_json("moe_check.json", result)
+    result["router"] = router_check()
+    write_json("moe_check.json", result)
     result["benchmarks"] = benchmarks(result["copy_bandwidth_TBps"] * 1e12, result["bf16_matmul_TFLOPs"] * 1e12)
     if args.sweep_decode:
         write_json("moe_check.json", result)

@@ -1,0 +1,105 @@
+"""Where one whole-model decode call spends its GPU time: a profiler trace, summarised per kernel.
+
+Builds a model of ``bench_decode``'s shapes (random bf16 weights; fewer layers keep it quick),
+runs the engine's decode loop once under ``jax.profiler.trace`` and reads the GPU timeline back:
+the call's span, the time some kernel was running (busy), the gaps between kernels, and the kernels
+by total time with their HLO op names (``--hlo`` writes the optimised HLO to map fusion names to
+ops). Tracing slows the host side and so inflates the gaps; compare busy time and kernel counts.
+
+    PYTHONPATH=. python3 scripts/profile_step.py --model qwen3-30b-a3b --layers 4 --batch 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import sys
+import tempfile
+
+import jax
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_decode import MODELS, build_engine, decode_requests  # noqa: E402
+from benchlib import environment, write_json, write_text  # noqa: E402
+
+
+def gpu_kernels(trace_dir: str) -> list[tuple[float, float, str]]:
+    """(start ns, end ns, name) of every kernel on the first GPU's streams in the trace."""
+    from jax.profiler import ProfileData
+
+    (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    data = ProfileData.from_file(path)
+    plane = data.find_plane_with_name("/device:GPU:0")
+    if plane is None:
+        raise RuntimeError(f"no GPU plane in the trace; planes: {[p.name for p in data.planes]}")
+    kernels = []
+    for line in plane.lines:
+        if not line.name.startswith("Stream"):
+            continue  # "XLA Ops" / "XLA Modules" repeat the stream events under HLO names
+        for event in line.events:
+            stats = {name: value for name, value in event.stats}
+            name = f"{stats.get('hlo_op', '?')} | {event.name[:80]}"
+            kernels.append((event.start_ns, event.start_ns + event.duration_ns, name))
+    return sorted(kernels)
+
+
+def summarise(kernels, steps: int, layers: int, top: int = 40) -> dict:
+    start, end = kernels[0][0], max(k[1] for k in kernels)
+    busy, cursor = 0.0, start
+    for k_start, k_end, _ in kernels:  # union of the kernels' intervals
+        if k_end > cursor:
+            busy += k_end - max(k_start, cursor)
+            cursor = k_end
+    by_name = collections.defaultdict(lambda: [0, 0.0])
+    for k_start, k_end, name in kernels:
+        by_name[name][0] += 1
+        by_name[name][1] += k_end - k_start
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+    per_step = 1e-3 / steps
+    return {
+        "span_us_per_step": (end - start) * per_step,
+        "busy_us_per_step": busy * per_step,
+        "idle_us_per_step": (end - start - busy) * per_step,
+        "kernels_per_step": len(kernels) / steps,
+        "kernels_per_layer_step": len(kernels) / steps / layers,
+        "top": [{"kernel": name, "calls_per_step": n / steps, "us_per_step": total * per_step,
+                 "us_per_call": total / n * 1e-3} for name, (n, total) in ranked[:top]],
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama3-8b")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1])
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--hlo", action="store_true", help="also write each decode executable's optimised HLO")
+    args = parser.parse_args()
+    _, _, engine = build_engine(args.model, args.layers, steps=args.steps, max_len=args.context + args.steps + 16,
+                                max_seqs=max(args.batch), batched_tokens=max(args.batch))
+    result = {"environment": environment(), "model": args.model, "layers": args.layers, "context": args.context,
+              "steps_per_call": args.steps, "batches": {}}
+    for batch in args.batch:
+        requests, key = decode_requests(engine, batch, args.context, args.steps)
+        if args.hlo:  # to map the profile's fusion names to the ops they hold
+            write_text(f"profile_step_{args.model}_b{batch}.hlo.txt", engine.runner.executable(key).as_text())
+        engine.runner.run_decode(key, requests)  # warm
+        with tempfile.TemporaryDirectory() as trace_dir:
+            with jax.profiler.trace(trace_dir):
+                engine.runner.run_decode(key, requests)
+            summary = summarise(gpu_kernels(trace_dir), args.steps, args.layers)
+        result["batches"][batch] = summary
+        print(f"batch {batch}: span {summary['span_us_per_step']:.0f} us/step, busy {summary['busy_us_per_step']:.0f}, "
+              f"{summary['kernels_per_layer_step']:.1f} kernels per layer-step", flush=True)
+        for row in summary["top"]:
+            print(f"  {row['us_per_step']:8.1f} us  {row['calls_per_step']:6.1f}x  {row['kernel']}")
+        for r in requests:
+            engine.scheduler.allocator.free(r.pages)
+    print("wrote", write_json(f"profile_step_{args.model}.json", result))
+
+
+if __name__ == "__main__":
+    main()
