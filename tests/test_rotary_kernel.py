@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -52,7 +54,8 @@ def test_matches_reference(dtype, heads, kv_heads, head_dim, rotary_dim, qk_norm
         np.testing.assert_array_equal(flat[:, untouched], flat_old[:, untouched])
 
 
-def test_rejects_a_lone_norm_weight():
+@pytest.mark.parametrize("op", [reference.rotary_cache_write, functools.partial(rotary_cache_write, interpret=True)])
+def test_rejects_a_lone_norm_weight(op):
     args, norms = _case(3, 4, 2, 32, 32, jnp.float32)
     with pytest.raises(ValueError, match="together"):
-        rotary_cache_write(*args, q_norm=norms["q_norm"], interpret=True)
+        op(*args, q_norm=norms["q_norm"])

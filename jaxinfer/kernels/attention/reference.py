@@ -31,6 +31,11 @@ def write_kv_cache(k_cache, v_cache, k, v, slot_mapping):
     return scatter(k_cache, k), scatter(v_cache, v)
 
 
+def check_qk_norm(q_norm, k_norm):
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm go together: pass both norm weights or neither")
+
+
 def rotary_cache_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, *, q_norm=None, k_norm=None,
                        norm_eps: float = 1e-6):
     """The step between the q/k/v projections and attention: optional per-head RMSNorm of q and k
@@ -38,6 +43,7 @@ def rotary_cache_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, *, q_n
 
     q [T, heads, d], k/v [T, kv_heads, d], cos/sin [T, rotary_dim] float32 -> (q, k_cache, v_cache).
     """
+    check_qk_norm(q_norm, k_norm)
     if q_norm is not None:
         q, k = rms_norm(q, q_norm, norm_eps), rms_norm(k, k_norm, norm_eps)
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -80,14 +80,13 @@ def rotary_cache_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, *, q_n
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_cache.shape
     rotary_dim = cos.shape[-1]
-    if (q_norm is None) != (k_norm is None):
-        raise ValueError("q_norm and k_norm go together")
-    if not (_is_pow2(num_heads) and _is_pow2(num_kv_heads) and _is_pow2(head_dim)) or rotary_dim % 2 or num_tokens == 0:
+    reference.check_qk_norm(q_norm, k_norm)
+    shapes_fit = _is_pow2(num_heads) and _is_pow2(num_kv_heads) and _is_pow2(head_dim) and rotary_dim % 2 == 0
+    if not shapes_fit or num_tokens == 0:
         return reference.rotary_cache_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_norm=q_norm,
                                             k_norm=k_norm, norm_eps=norm_eps)
-    q_out_dtype = jax.eval_shape(functools.partial(reference.rotary_cache_write, norm_eps=norm_eps), q, k, v, cos, sin,
-                                 k_cache, v_cache, slot_mapping, q_norm=q_norm, k_norm=k_norm)[0].dtype
     has_norm = q_norm is not None
+    q_out_dtype = jnp.result_type(q_norm, q) if has_norm else q.dtype  # the reference's: weight * normed q
     whole = lambda x: pl.BlockSpec(x.shape, lambda t: (0,) * x.ndim)  # noqa: E731
     per_token = lambda x: pl.BlockSpec((None,) + x.shape[1:], lambda t: (t, 0, 0))  # noqa: E731
     inputs = [slot_mapping.astype(jnp.int32), q, k, v, cos.astype(jnp.float32), sin.astype(jnp.float32)]
