@@ -32,8 +32,9 @@ def _case(num_seqs, heads, kv_heads, head_dim, page_size, pages_per_seq, lengths
 ])
 @pytest.mark.parametrize("options", ["plain", "window", "softcap", "sinks"])
 # A slice of a page, or one or more whole pages per block; split (partial results merged by the
-# combine kernel) or one pass that writes the output itself.
-@pytest.mark.parametrize("block_tokens, num_splits", [(16, 2), (64, 2), (64, 1)])
+# combine kernel) or one pass that writes the output itself; several blocks per program (a loop) or
+# one (no loop, masked loads).
+@pytest.mark.parametrize("block_tokens, num_splits", [(16, 2), (64, 2), (64, 1), (64, 4), (16, 16)])
 def test_matches_reference(heads, kv_heads, head_dim, page_size, options, block_tokens, num_splits):
     pages_per_seq = max(2, 256 // page_size)
     max_len = pages_per_seq * page_size
@@ -76,8 +77,10 @@ def test_default_blocking_fills_the_gpu():
     assert default_blocking(1, 8, 256, 16, 128, 2) == (128, 32)
     assert default_blocking(128, 8, 128, 16, 128, 2) == (64, 1)
     assert default_blocking(4, 1, 16, 128, 256, 4) == (32, 64)
-    # A short context is split as far as it has blocks: a block in series costs more than the combine.
-    assert default_blocking(1, 4, 34, 16, 128, 2) == (128, 5)
+    # A short context is split as far as it has blocks (a block in series costs more than the
+    # combine), in 64-token blocks while 128-token ones would leave SMs idle.
+    assert default_blocking(1, 4, 34, 16, 128, 2) == (64, 9)
+    assert default_blocking(1, 8, 32, 16, 128, 2) == (64, 8)
 
 
 @pytest.mark.parametrize("num_splits, head_dim", [(3, 64), (40, 128)])

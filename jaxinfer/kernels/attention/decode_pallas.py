@@ -2,20 +2,29 @@
 
 One query token per sequence. Grid ``(sequence, kv_head, split)``: each program takes the ``G``
 query heads that share one KV head (padded to 16 rows for the tensor cores as it loads them), walks
-its share of the sequence's pages ``block_tokens`` keys at a time through the block table, and keeps
-an online softmax in float32. Splitting the KV length over programs keeps the GPU busy when there are few sequences.
-Pages a sliding window has left behind are skipped, not masked.
+its share of the sequence's tokens ``block_tokens`` keys at a time through the block table, and
+keeps an online softmax in float32. Splitting the KV length over programs keeps the GPU busy when
+there are few sequences. Pages a sliding window has left behind are skipped, not masked.
+
+**Gathering a block.** The caches are viewed as ``[pages * page_size, d]`` rows per KV head (a free
+reshape), and a block is one gather of ``block_tokens`` rows, ``page_id * page_size + offset``, from
+the block table: any page size, and a ``[block_tokens, d]`` tile with no reshape after the load.
+With the earlier ``[pages, page_size, d]`` gather and a reshape, Triton's pipeliner streamed only K
+through ``cp.async`` and V through registers, and used twice the shared memory; the flat gather took
+batch 32 / 128 from 63-67% of the measured copy bandwidth to 102-111% (reads alone can exceed the
+copy rate, which counts a write per read) on the H200.
+
+**One block per program** (short contexts, few sequences: the common batch-1 case) runs without a
+loop: the block's rows and the sequence length are read together, the K/V loads (masked past the
+length) wait on both at once, one memory round trip sooner than a loop whose bounds need the length
+first.
 
 A second, small kernel merges the splits' partial results (``o``, row max ``m``, row sum ``l``) of
-the real heads, adds the attention-sink logits and writes the output in the query's dtype: one
-launch instead of the several small XLA kernels a jnp epilogue becomes (a large share of the step at
-batch 1). With one split the main kernel normalises and writes the output itself, with no second
-launch. The defaults still split as far as there are blocks at small batches: on the H200 a program
-takes ~4 us per KV block in series (``gpu_check.py --sweep-splits``), more than the combine costs.
-
-A KV block is ``block_tokens`` tokens: several small pages gathered through the block table, or a
-slice of one large page. Reading each split's page ids up front, before its loop, was measured on the
-H200 and was no faster than reading them block by block (the pipeliner already hides that load).
+the real heads, one program per head, adds the attention-sink logits and writes the output in the
+query's dtype: one launch instead of the several small XLA kernels a jnp epilogue becomes. Only the
+real heads' partial rows are stored. With one split the main kernel normalises and writes the output
+itself, with no second launch; but the defaults still split as far as there are blocks at small
+batches, since a program's blocks run in series (``gpu_check.py --sweep-splits``).
 """
 
 from __future__ import annotations
@@ -29,8 +38,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
-_TARGET_PROGRAMS = 4 * 132  # a few waves of programs on an H100/H200 (132 SMs)
-_COMBINE_ELEMENTS = 16384  # partial-output elements one combine program holds in registers
+_SMS = 132  # H100/H200
+_TARGET_PROGRAMS = 4 * _SMS  # a few waves of programs
+_COMBINE_ELEMENTS = 16384  # partial-output elements one combine program (one head) holds in registers
 
 
 def _next_pow2(n: int) -> int:
@@ -49,62 +59,104 @@ def _load_query(q_ref, rows: int):
                       other=0.0)
 
 
+def _store_rows(ref, value, group: int):
+    """Store the first ``group`` rows of ``value`` ([rows] or [rows, d]) into ``ref``, which has
+    ``ref.shape[0] >= group`` rows: a plain store when the shapes agree, else a masked one."""
+    rows = value.shape[0]
+    if ref.shape[0] == rows:
+        ref[...] = value
+        return
+    row = lax.broadcasted_iota(jnp.int32, value.shape, 0)
+    index = (jnp.minimum(row, group - 1),)
+    if value.ndim == 2:
+        index += (lax.broadcasted_iota(jnp.int32, value.shape, 1),)
+    plgpu.store(ref.at[index], value, mask=row < group)
+
+
 def _kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, *rest, rows, scale, page_size, block_tokens, blocks_per_split,
             sliding_window, logit_softcap, final, has_sinks, num_heads_per_kv):
     """One (sequence, KV head, split): the online softmax over the split's blocks. ``final`` (one
     split): normalise, add the sinks and write the output; else write the partial ``o``, ``m``, ``l``."""
     split = pl.program_id(2)
-    length = len_ref[0]
-    lo_block = split * blocks_per_split
-    hi_block = jnp.minimum(lo_block + blocks_per_split, pl.cdiv(length, block_tokens))
-    if sliding_window:
-        first_visible = jnp.maximum(length - sliding_window, 0)  # query at length-1 sees j > length-1-W
-        lo_block = jnp.maximum(lo_block, first_visible // block_tokens)
-    q = _load_query(q_ref, rows)
-    head_dim = q.shape[1]
+    head_dim = q_ref.shape[-1]
 
-    def load_block(ref, block):
-        if block_tokens >= page_size:  # gather whole pages
-            pages_per_block = block_tokens // page_size
-            pages = bt_ref[pl.ds(block * pages_per_block, pages_per_block)]
-            return ref[pages].reshape(block_tokens, head_dim)
-        blocks_per_page = page_size // block_tokens  # a slice of one page
-        page = bt_ref[block // blocks_per_page]
-        return ref[page, pl.ds((block % blocks_per_page) * block_tokens, block_tokens), :]
+    def block_rows(block):
+        """The cache rows of the block's tokens (``[block_tokens]``; the caches are viewed as
+        ``[pages * page_size, d]`` per KV head), read once for K and V. One flat gather of rows
+        serves every page size: several whole pages per block or a slice of one."""
+        position = block * block_tokens + lax.broadcasted_iota(jnp.int32, (block_tokens,), 0)
+        return bt_ref[position // page_size] * page_size + position % page_size
 
-    def body(block, carry):
-        o, m, l = carry
-        k = load_block(k_ref, block)
-        v = load_block(v_ref, block)
+    def gather(ref, rows, mask=None):
+        """The block's ``[block_tokens, d]`` keys or values; ``mask`` ([block_tokens]) skips the
+        reads of invisible tokens and gives them zeros."""
+        index = (rows[:, None], lax.broadcasted_iota(jnp.int32, (1, head_dim), 1))
+        if mask is None:
+            return ref[index]
+        return plgpu.load(ref.at[index], mask=mask[:, None], other=0.0)
+
+    def visible_tokens(block, length, shape):
+        token = block * block_tokens + lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
+        visible = token < length
+        if sliding_window:
+            visible &= token >= length - sliding_window  # the query at length-1 sees j > length-1-W
+        return visible
+
+    def scores(q, k):
         s = plgpu.dot(q, k, trans_b=True) * scale  # [rows, block_tokens] float32
         if logit_softcap:
             s = logit_softcap * jnp.tanh(s / logit_softcap)
-        token = block * block_tokens + lax.broadcasted_iota(jnp.int32, (rows, block_tokens), 1)
-        visible = token < length
-        if sliding_window:
-            visible &= token >= length - sliding_window
-        s = jnp.where(visible, s, _MASK)
-        m_next = jnp.maximum(m, s.max(axis=-1))
-        correction = jnp.exp(m - m_next)
-        p = jnp.exp(s - m_next[:, None])
-        l_next = l * correction + p.sum(axis=-1)
-        o_next = o * correction[:, None] + plgpu.dot(p.astype(v.dtype), v)
-        return o_next, m_next, l_next
+        return s
 
-    init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), _MASK, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
-    o, m, l = lax.fori_loop(lo_block, jnp.maximum(lo_block, hi_block), body, init)
-    if not final:
+    q = _load_query(q_ref, rows)
+    if blocks_per_split == 1:
+        # One block per program (short contexts, few sequences): no loop, so the page ids are read
+        # alongside the length instead of after it, and the K/V reads wait on both at once, one
+        # memory round trip sooner. A block past the length reads nothing (masked loads).
+        cache_rows = block_rows(split)
+        length = len_ref[0]
+        token_visible = visible_tokens(split, length, (block_tokens,))
+        k = gather(k_ref, cache_rows, token_visible)
+        v = gather(v_ref, cache_rows, token_visible)
+        visible = visible_tokens(split, length, (rows, block_tokens))
+        s = jnp.where(visible, scores(q, k), _MASK)
+        m = s.max(axis=-1)
+        p = jnp.where(visible, jnp.exp(s - m[:, None]), 0.0)  # an all-invisible block adds nothing
+        l = p.sum(axis=-1)
+        o = plgpu.dot(p.astype(v.dtype), v)
+    else:
+        length = len_ref[0]
+        lo_block = split * blocks_per_split
+        hi_block = jnp.minimum(lo_block + blocks_per_split, pl.cdiv(length, block_tokens))
+        if sliding_window:  # pages the window has left behind are skipped, not masked
+            lo_block = jnp.maximum(lo_block, jnp.maximum(length - sliding_window, 0) // block_tokens)
+
+        def body(block, carry):
+            o, m, l = carry
+            cache_rows = block_rows(block)
+            k = gather(k_ref, cache_rows)
+            v = gather(v_ref, cache_rows)
+            s = jnp.where(visible_tokens(block, length, (rows, block_tokens)), scores(q, k), _MASK)
+            m_next = jnp.maximum(m, s.max(axis=-1))
+            correction = jnp.exp(m - m_next)
+            p = jnp.exp(s - m_next[:, None])
+            l_next = l * correction + p.sum(axis=-1)
+            o_next = o * correction[:, None] + plgpu.dot(p.astype(v.dtype), v)
+            return o_next, m_next, l_next
+
+        init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), _MASK, jnp.float32),
+                jnp.zeros((rows,), jnp.float32))
+        o, m, l = lax.fori_loop(lo_block, jnp.maximum(lo_block, hi_block), body, init)
+    group = num_heads_per_kv
+    if not final:  # the partial results of the rows the combine reads
         o_ref, m_ref, l_ref = rest
-        o_ref[...] = o
-        m_ref[...] = m
-        l_ref[...] = l
+        for ref, value in ((o_ref, o), (m_ref, m), (l_ref, l)):
+            _store_rows(ref, value, o_ref.shape[0])
         return
     sink_ref, out_ref = rest if has_sinks else (None, *rest)
-    group = num_heads_per_kv
-    real_row = lax.broadcasted_iota(jnp.int32, (rows,), 0) < group
     m_max = m
     if has_sinks:  # this program's G sink logits, -inf on padding rows
+        real_row = lax.broadcasted_iota(jnp.int32, (rows,), 0) < group
         head = pl.program_id(1) * group + jnp.minimum(lax.broadcasted_iota(jnp.int32, (rows,), 0), group - 1)
         sink = plgpu.load(sink_ref.at[head], mask=real_row, other=-jnp.inf).astype(jnp.float32)
         m_max = jnp.maximum(m, sink)
@@ -113,33 +165,28 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, *rest, rows, scale, page_size,
     if has_sinks:
         denom += jnp.exp(sink - m_max)
     out = (o * (weight / jnp.where(denom == 0, 1.0, denom))[:, None]).astype(out_ref.dtype)
-    if out_ref.shape[0] == rows:
-        out_ref[...] = out
-    else:  # the real rows of the padded tile
-        row = jnp.minimum(lax.broadcasted_iota(jnp.int32, (rows, head_dim), 0), group - 1)
-        col = lax.broadcasted_iota(jnp.int32, (rows, head_dim), 1)
-        plgpu.store(out_ref.at[row, col], out, mask=lax.broadcasted_iota(jnp.int32, (rows, head_dim), 0) < group)
+    _store_rows(out_ref, out, group)
 
 
 def _combine_kernel(o_ref, m_ref, l_ref, *rest, num_splits: int, has_sinks: bool):
-    """Merge ``o_ref`` [P, G, d], ``m_ref``/``l_ref`` [P, G] (splits past ``num_splits`` are unwritten)."""
+    """Merge one head's partial results: ``o_ref`` [P, d], ``m_ref``/``l_ref`` [P] (splits past
+    ``num_splits`` are unwritten)."""
     if has_sinks:
         sink_ref, out_ref = rest
     else:
         (out_ref,) = rest
-    splits, group = m_ref.shape
-    real = lax.broadcasted_iota(jnp.int32, (splits, group), 0) < num_splits
+    real = lax.broadcasted_iota(jnp.int32, m_ref.shape, 0) < num_splits
     m = jnp.where(real, m_ref[...], -jnp.inf)
-    m_max = m.max(axis=0)
+    m_max = m.max()
     if has_sinks:
-        sink = sink_ref[...]
+        sink = sink_ref[0]
         m_max = jnp.maximum(m_max, sink)
-    weight = jnp.exp(m - m_max[None, :])  # 0 on unwritten splits
-    denom = jnp.where(real, l_ref[...] * weight, 0.0).sum(axis=0)
+    weight = jnp.exp(m - m_max)  # 0 on unwritten splits
+    denom = jnp.where(real, l_ref[...] * weight, 0.0).sum()
     if has_sinks:
         denom += jnp.exp(sink - m_max)
-    o = jnp.where(real[:, :, None], o_ref[...] * weight[:, :, None], 0.0).sum(axis=0)
-    out_ref[...] = (o / jnp.where(denom == 0, 1.0, denom)[:, None]).astype(out_ref.dtype)
+    o = jnp.where(real[:, None], o_ref[...] * weight[:, None], 0.0).sum(axis=0)
+    out_ref[...] = (o / jnp.where(denom == 0, 1.0, denom)).astype(out_ref.dtype)
 
 
 def _combine_jnp(o, m, l, sinks):
@@ -157,24 +204,29 @@ def _combine_jnp(o, m, l, sinks):
 def default_blocking(num_seqs: int, num_kv_heads: int, pages_per_seq: int, page_size: int, head_dim: int,
                      itemsize: int):
     """(block_tokens, num_splits): K blocks of ~32 KiB for few sequences, ~16 KiB for many
-    (16..128 tokens); enough splits to fill the GPU.
+    (16..128 tokens), halved (down to 64 tokens) while there are fewer blocks than SMs; enough splits
+    to fill the GPU.
 
     On the H200 (``scripts/gpu_check.py --sweep``), 64-token blocks were fastest at 32 and 128
-    sequences and 128-token blocks at one (d 128, bf16).
+    sequences and 128-token blocks at one sequence of 4096 tokens (d 128, bf16); at one sequence of
+    512 tokens over 4 KV heads, 64-token blocks (32 programs) beat 128 (16 programs).
     """
-    block_bytes = 32768 if num_seqs * num_kv_heads < 132 else 16384  # fewer (sequence, head) pairs than SMs
+    pairs = num_seqs * num_kv_heads
+    block_bytes = 32768 if pairs < _SMS else 16384  # fewer (sequence, head) pairs than SMs
     block_tokens = min(128, max(16, _next_pow2(block_bytes // (head_dim * itemsize) + 1) // 2))
     block_tokens = min(block_tokens, _next_pow2(pages_per_seq * page_size))
-    num_blocks = max(1, -(-pages_per_seq * page_size // block_tokens))
-    wanted = _next_pow2(-(-_TARGET_PROGRAMS // (num_seqs * num_kv_heads)))
-    return block_tokens, min(num_blocks, wanted)
+    num_blocks = lambda tokens: max(1, -(-pages_per_seq * page_size // tokens))  # noqa: E731
+    while block_tokens > 64 and pairs * num_blocks(block_tokens) < _SMS:
+        block_tokens //= 2
+    wanted = _next_pow2(-(-_TARGET_PROGRAMS // pairs))
+    return block_tokens, min(num_blocks(block_tokens), wanted)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "logit_softcap", "interpret",
                                              "block_tokens", "num_splits", "num_warps", "num_stages"))
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale, sliding_window=None,
                            logit_softcap=None, sinks=None, interpret=False, block_tokens=None, num_splits=None,
-                           num_warps=4, num_stages=2):
+                           num_warps=4, num_stages=3):
     """q [S, heads, d]; caches [kv_heads, num_pages, page_size, d]; block_tables [S, P]; seq_lens [S].
 
     Tuning (``None``: ``default_blocking``): ``block_tokens`` keys per step (a power of two),
@@ -206,8 +258,11 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale
                                blocks_per_split=blocks_per_split, sliding_window=sliding_window,
                                logit_softcap=logit_softcap, final=final, has_sinks=final and sinks is not None,
                                num_heads_per_kv=group)
-    cache_spec = pl.BlockSpec((None,) + k_cache.shape[1:], lambda s, h, k: (h, 0, 0, 0))
-    inputs = [q_rows, k_cache, v_cache, block_tables, seq_lens.astype(jnp.int32)[:, None]]
+    # Each KV head's pages as one [pages * page_size, d] array of rows (a free reshape).
+    cache_rows_shape = (num_kv_heads, k_cache.shape[1] * page_size, head_dim)
+    cache_spec = pl.BlockSpec((None,) + cache_rows_shape[1:], lambda s, h, k: (h, 0, 0))
+    inputs = [q_rows, k_cache.reshape(cache_rows_shape), v_cache.reshape(cache_rows_shape), block_tables,
+              seq_lens.astype(jnp.int32)[:, None]]
     in_specs = [
         pl.BlockSpec((None, None, q_group, head_dim), lambda s, h, k: (s, h, 0, 0)),
         cache_spec,
@@ -226,13 +281,16 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale
         out_shape = jax.ShapeDtypeStruct((num_seqs, num_kv_heads, out_rows, head_dim), q.dtype)
     else:
         # The split axis is allocated to a power of two for the combine kernel; splits past
-        # num_splits are never written and the combine masks them.
+        # num_splits are never written and the combine masks them. Only the rows the combine reads
+        # (the real heads, padded to a power of two) are stored; the interpreter's masked store
+        # touches the masked rows too, so there every row is.
         split_slots = _next_pow2(num_splits)
-        partial_shape = (num_seqs, num_kv_heads, split_slots, rows)
+        stored_rows = rows if interpret else _next_pow2(group)
+        partial_shape = (num_seqs, num_kv_heads, split_slots, stored_rows)
         out_specs = [
-            pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, k: (s, h, k, 0, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda s, h, k: (s, h, k, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda s, h, k: (s, h, k, 0)),
+            pl.BlockSpec((None, None, None, stored_rows, head_dim), lambda s, h, k: (s, h, k, 0, 0)),
+            pl.BlockSpec((None, None, None, stored_rows), lambda s, h, k: (s, h, k, 0)),
+            pl.BlockSpec((None, None, None, stored_rows), lambda s, h, k: (s, h, k, 0)),
         ]
         out_shape = [jax.ShapeDtypeStruct(partial_shape + (head_dim,), jnp.float32),
                      jax.ShapeDtypeStruct(partial_shape, jnp.float32),
@@ -251,30 +309,31 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale
         return result[:, :, :group].reshape(num_seqs, num_heads, head_dim)
     o, m, l = result
 
-    # The merge reads the first group_rows rows (the real heads, padded to a power of two).
+    # The merge reads the first group_rows rows (the real heads, padded to a power of two), one
+    # program per head: many small programs finish sooner than one per KV head walking its group.
     group_rows = _next_pow2(group)
     sink_rows = None
     if sinks is not None:
         sink_rows = sinks.astype(jnp.float32).reshape(num_kv_heads, group)
         sink_rows = jnp.pad(sink_rows, ((0, 0), (0, group_rows - group)), constant_values=-jnp.inf)
-    if split_slots * group_rows * head_dim > _COMBINE_ELEMENTS:
+    if split_slots * head_dim > _COMBINE_ELEMENTS:
         real = (slice(None), slice(None), slice(0, num_splits), slice(0, group_rows))
         out = _combine_jnp(o[real], m[real], l[real], sink_rows)
         return out[:, :, :group].reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
     inputs = [o, m, l]
     in_specs = [
-        pl.BlockSpec((None, None, split_slots, group_rows, head_dim), lambda s, h: (s, h, 0, 0, 0)),
-        pl.BlockSpec((None, None, split_slots, group_rows), lambda s, h: (s, h, 0, 0)),
-        pl.BlockSpec((None, None, split_slots, group_rows), lambda s, h: (s, h, 0, 0)),
+        pl.BlockSpec((None, None, split_slots, None, head_dim), lambda s, h, r: (s, h, 0, r, 0)),
+        pl.BlockSpec((None, None, split_slots, None), lambda s, h, r: (s, h, 0, r)),
+        pl.BlockSpec((None, None, split_slots, None), lambda s, h, r: (s, h, 0, r)),
     ]
     if sinks is not None:
-        inputs.append(sink_rows)
-        in_specs.append(pl.BlockSpec((None, group_rows), lambda s, h: (h, 0)))
+        inputs.append(sink_rows[..., None])
+        in_specs.append(pl.BlockSpec((None, None, 1), lambda s, h, r: (h, r, 0)))
     out = pl.pallas_call(
         functools.partial(_combine_kernel, num_splits=num_splits, has_sinks=sinks is not None),
-        grid=(num_seqs, num_kv_heads),
+        grid=(num_seqs, num_kv_heads, group_rows),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, None, group_rows, head_dim), lambda s, h: (s, h, 0, 0)),
+        out_specs=pl.BlockSpec((None, None, None, head_dim), lambda s, h, r: (s, h, r, 0)),
         out_shape=jax.ShapeDtypeStruct((num_seqs, num_kv_heads, group_rows, head_dim), q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
