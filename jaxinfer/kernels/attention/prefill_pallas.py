@@ -6,12 +6,13 @@ order (padding tokens, ``slot_mapping < 0``, after all real ones). The wrapper c
 run, so at most ``cdiv(T, block_q) + S`` blocks in all, a static bound). All ``G = heads // kv_heads``
 query heads of one KV head share a program: its tile row ``i * G + g`` is token ``i`` of the block and
 head ``g`` of the group (``G`` padded to a power of two), gathered by the kernel straight from the
-``[T, heads, d]`` queries through a per-block row index. Each program of the ``(kv_heads, num_blocks)`` grid walks the
-block's keys ``block_k`` at a time, gathering ``block_k / page_size`` pages through the block table
-(online softmax in float32), from the first page its first query can see (sliding window) to the
-last key its last query can see (causal). Key blocks that every row of the query block sees whole
-skip the mask. Pages larger than ``block_k`` are read as virtual pages of ``block_k`` rows (a free
-reshape of the cache, and a block table of virtual pages), so every page size works.
+``[T, heads, d]`` queries through a per-block row index. Each program of the ``(kv_heads,
+num_blocks)`` grid walks the block's keys ``block_k`` at a time, each key block one gather of cache
+rows through the block table (the caches viewed as ``[pages * page_size, d]`` per KV head; online
+softmax in float32), from the first page its first query can see (sliding window) to the last key
+its last query can see (causal). Key blocks that every row of the query block sees whole skip the
+mask. Pages larger than ``block_k`` are split into virtual pages of ``block_k`` rows (a free
+reshape of the cache, and a block table of virtual pages), so key blocks start on page boundaries.
 Programs are ordered with the last query blocks (the longest key ranges) first. Each program writes
 its rows straight into the ``[T, heads, head_dim]`` output (gathering queries and scattering outputs
 in jnp around the kernel cost ~12% of a 1 x 8192 prefill on the H200); padding tokens get zeros.
@@ -161,19 +162,22 @@ def _prefill_kernel(meta_ref, bt_ref, pos_ref, qidx_ref, q_ref, k_ref, v_ref, *r
     q = plgpu.load(q_ref.at[q_rows, q_cols], mask=has_query, other=0.0)
     row_pos = pos_ref[...]  # [rows]; -1 for rows without a token
     lo = first_page * page_size
+    key_cols = lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
 
     def body(kb, carry, *, masked: bool):
         o, m, l = carry
-        page_ids = bt_ref[seq, pl.ds(first_page + kb * pages_per_block, pages_per_block)]
-        k = k_ref[page_ids].reshape(block_k, head_dim)
-        v = v_ref[page_ids].reshape(block_k, head_dim)
+        # The key block's cache rows, one flat gather ([pages * page_size, d] per KV head): loaded
+        # as [block_k, d] tiles with no reshape, K and V both stream through cp.async.
+        key_pos = lo + kb * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+        cache_rows = (bt_ref[seq, key_pos // page_size] * page_size + key_pos % page_size)[:, None]
+        k = k_ref[cache_rows, key_cols]
+        v = v_ref[cache_rows, key_cols]
         s = plgpu.dot(q, k, trans_b=True, precision=precision)  # [rows, block_k] f32
         if logit_softcap:
             s = (logit_softcap * _LOG2E) * jnp.tanh(s * (scale / logit_softcap))
         else:
             s = s * (scale * _LOG2E)
         if masked:
-            key_pos = lo + kb * block_k + jnp.arange(block_k, dtype=jnp.int32)
             visible = (key_pos[None, :] <= row_pos[:, None]) & (key_pos[None, :] < kv_end)
             if sliding_window:
                 visible = visible & (key_pos[None, :] > row_pos[:, None] - sliding_window)
@@ -286,15 +290,17 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale,
     if interpret:
         q_flat = jnp.pad(q_flat, ((0, 1), (0, 0)))
     flat_spec = pl.BlockSpec((out_rows, head_dim), lambda h, b: (0, 0))
-    inputs = [meta, block_tables, pos_rows, qidx, q_flat, k_cache, v_cache]
+    cache_rows_shape = (num_kv_heads, num_pages * page_size, head_dim)  # a free reshape
+    inputs = [meta, block_tables, pos_rows, qidx, q_flat, k_cache.reshape(cache_rows_shape),
+              v_cache.reshape(cache_rows_shape)]
     in_specs = [
         pl.BlockSpec((None, _META), lambda h, b: (b, 0)),
         pl.BlockSpec(block_tables.shape, lambda h, b: (0, 0)),
         pl.BlockSpec((None, rows), lambda h, b: (b, 0)),
         pl.BlockSpec((None, rows), lambda h, b: (b, 0)),
         flat_spec,
-        pl.BlockSpec((None, num_pages, page_size, head_dim), lambda h, b: (h, 0, 0, 0)),
-        pl.BlockSpec((None, num_pages, page_size, head_dim), lambda h, b: (h, 0, 0, 0)),
+        pl.BlockSpec((None, num_pages * page_size, head_dim), lambda h, b: (h, 0, 0)),
+        pl.BlockSpec((None, num_pages * page_size, head_dim), lambda h, b: (h, 0, 0)),
     ]
     if sinks is not None:
         s = sinks.astype(jnp.float32).reshape(num_kv_heads, group) * _LOG2E
