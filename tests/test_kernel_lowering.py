@@ -19,6 +19,7 @@ from jaxinfer.kernels.attention.prefill_pallas import ragged_paged_attention
 from jaxinfer.kernels.attention.rotary_pallas import rotary_cache_write
 from jaxinfer.kernels.moe.grouped_pallas import moe_mlp
 from jaxinfer.kernels.moe.router_pallas import route
+from jaxinfer.kernels.norm.rms_norm_pallas import add_rms_norm
 
 S = jax.ShapeDtypeStruct
 BF16, I32 = jnp.bfloat16, jnp.int32
@@ -95,3 +96,14 @@ def test_rotary_cache_write_lowers(tokens, heads, kv_heads, rotary_dim, qk_norm)
         S((tokens, rotary_dim), jnp.float32), S((tokens, rotary_dim), jnp.float32),
         S((kv_heads, 600, 16, 128), BF16), S((kv_heads, 600, 16, 128), BF16), S((tokens,), I32), *norms)
     assert "rotary_cache_write" in text
+
+
+@pytest.mark.parametrize("rows, hidden, residual", [(1, 2048, True), (8192, 4096, True), (3, 2880, False)])
+def test_add_rms_norm_lowers(rows, hidden, residual):
+    if residual:
+        fn = lambda x, r, w: add_rms_norm(x, r, w, 1e-6)  # noqa: E731
+        args = (S((rows, hidden), BF16), S((rows, hidden), BF16), S((hidden,), BF16))
+    else:
+        fn = lambda x, w: add_rms_norm(x, None, w, 1e-6, float32_weight=True)  # noqa: E731
+        args = (S((rows, hidden), BF16), S((hidden,), BF16))
+    assert "add_rms_norm" in _lower_for_gpu(fn, *args)

@@ -2,8 +2,8 @@
 
 On a GPU the op dispatchers pick the kernels; on CPU they pick the references, so the other model
 tests never run the kernels. Here every kernel op is installed in interpret mode: logits (prefill
-attention, the fused q/k norm + RoPE + cache write, routing, the grouped GEMMs) and greedy tokens
-(decode attention) must still match HF.
+attention, the fused q/k norm + RoPE + cache write, residual add + RMSNorm, routing, the grouped
+GEMMs) and greedy tokens (decode attention) must still match HF.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from jaxinfer import load_model
-from jaxinfer.kernels import attention, moe
+from jaxinfer.kernels import attention, moe, norm
 from jaxinfer.kernels.moe import router_pallas
 from tests.conftest import assert_greedy_matches_hf, random_prompts
 from tests.test_moe import CASES as MOE_CASES
@@ -30,7 +30,7 @@ CASES = {
 
 @pytest.fixture
 def interpreted_kernels(monkeypatch):
-    for ops in (attention, moe):
+    for ops in (attention, moe, norm):
         dispatch = ops._dispatch
         kernels = {op: functools.partial(fn, interpret=True) for op, fn in dispatch.implementations["pallas"].items()}
         if ops is moe:  # the routing kernel itself, not its size policy: the models route through it at every size

@@ -69,17 +69,22 @@ def layer_windows(config: ModelConfig, default_sliding: bool = False) -> tuple[i
 
 
 class DecoderLayer(nn.Module):
+    """One pre-norm block. It takes the previous block's output and the residual stream separately
+    (``residual=None`` for the first layer) and returns them the same way, so each residual add is
+    fused with the RMSNorm after it (``RMSNorm(x, residual)``): HF's ``x = residual + out;
+    norm(x)`` in one op."""
+
     config: ModelConfig
     spec: LayerSpec
     norm_float32_weight: bool
     param_dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, x, cos, sin, kv_cache, md):
+    def __call__(self, x, residual, cos, sin, kv_cache, md):
         c, spec, attn = self.config, self.spec, self.spec.attention
         norm = lambda name: RMSNorm(c.rms_norm_eps, float32_weight=self.norm_float32_weight,  # noqa: E731
                                     param_dtype=self.param_dtype, name=name)
-        attn_out, kv_cache = PagedGQAttention(
+        attention = PagedGQAttention(
             num_heads=c.num_attention_heads,
             num_kv_heads=c.num_key_value_heads,
             head_dim=c.head_dim,
@@ -91,14 +96,18 @@ class DecoderLayer(nn.Module):
             sliding_window=attn.sliding_window,
             param_dtype=self.param_dtype,
             name="self_attn",
-        )(norm("input_layernorm")(x), cos, sin, kv_cache, md)
-        x = x + attn_out
-        h = norm("post_attention_layernorm")(x)
+        )
+        if residual is None:
+            h, residual = norm("input_layernorm")(x), x
+        else:
+            h, residual = norm("input_layernorm")(x, residual)
+        attn_out, kv_cache = attention(h, cos, sin, kv_cache, md)
+        h, residual = norm("post_attention_layernorm")(attn_out, residual)
         if spec.moe is None:
             mlp = GatedMLP(c.intermediate_size, c.hidden_act, spec.mlp_bias, self.param_dtype, name=spec.mlp_name)
         else:
             mlp = SparseMoE(spec.moe, c.hidden_act, self.param_dtype, name=spec.mlp_name)
-        return x + mlp(h), kv_cache
+        return mlp(h), residual, kv_cache
 
 
 class DecoderModel(nn.Module):
@@ -115,13 +124,14 @@ class DecoderModel(nn.Module):
         x = embed(token_ids)
         rope = RotaryEmbedding(c.rope, c.head_dim, c.max_position_embeddings)
         cos, sin = rope.cos_sin(md.positions, md.seq_lens[md.token_seq_ids])
-        new_caches = []
+        new_caches, residual = [], None
         for i, layer in enumerate(self.spec.layers):
-            x, kv = DecoderLayer(c, layer, self.spec.norm_float32_weight, self.param_dtype, name=f"layers_{i}")(
-                x, cos, sin, caches[i], md)
+            x, residual, kv = DecoderLayer(c, layer, self.spec.norm_float32_weight, self.param_dtype,
+                                           name=f"layers_{i}")(x, residual, cos, sin, caches[i], md)
             new_caches.append(kv)
-        x = RMSNorm(c.rms_norm_eps, float32_weight=self.spec.norm_float32_weight, param_dtype=self.param_dtype,
-                    name="norm")(x)
+        final_norm = RMSNorm(c.rms_norm_eps, float32_weight=self.spec.norm_float32_weight,
+                             param_dtype=self.param_dtype, name="norm")
+        x = final_norm(x) if residual is None else final_norm(x, residual)[0]
         return x, embed, new_caches
 
 

@@ -1,14 +1,19 @@
-"""RMSNorm, in the two flavours HF uses."""
+"""RMSNorm, in the two flavours HF uses, optionally with the residual add before it."""
 
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jaxinfer.kernels.math import rms_norm
+from jaxinfer.kernels import norm as norm_ops
 
 
 class RMSNorm(nn.Module):
     """``jaxinfer.kernels.math.rms_norm`` with its weight as a parameter: initialised to ones, or to
-    zeros with ``unit_offset`` (Gemma, Qwen3-Next: ``x_normed * (1 + weight)``)."""
+    zeros with ``unit_offset`` (Gemma, Qwen3-Next: ``x_normed * (1 + weight)``).
+
+    ``norm(x)`` returns the normalised ``x``; ``norm(x, residual)`` adds first and returns
+    ``(rms_norm(x + residual), x + residual)``, the sum being the new residual stream (one kernel
+    on the GPU).
+    """
 
     eps: float
     unit_offset: bool = False
@@ -16,11 +21,12 @@ class RMSNorm(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, residual=None):
         init = nn.initializers.zeros if self.unit_offset else nn.initializers.ones
         weight = self.param("weight", init, (x.shape[-1],), self.param_dtype)
-        return rms_norm(x, weight, self.eps, unit_offset=self.unit_offset, float32_weight=self.float32_weight)
-
+        normed, summed = norm_ops.add_rms_norm(x, residual, weight, self.eps, unit_offset=self.unit_offset,
+                                               float32_weight=self.float32_weight)
+        return normed if residual is None else (normed, summed)
 
 
 class NormWeight(nn.Module):
