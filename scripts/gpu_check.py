@@ -1,5 +1,6 @@
-"""GPU proof for the attention kernels: parity against the references at realistic shapes, and
-benchmarks next to jax's own Pallas ops, cuDNN and the ceilings measured in the same run.
+"""GPU proof for the attention kernels (and the residual add + RMSNorm kernel): parity against the
+references at realistic shapes, and benchmarks next to jax's own Pallas ops, cuDNN and the ceilings
+measured in the same run.
 
     PYTHONPATH=. python3 scripts/gpu_check.py            # writes gpu_check.json to $JAXINFER_BENCH_DIR (or .)
 """
@@ -17,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from benchlib import copy_bandwidth, device_time, environment, matmul_rate, timer_overhead, write_json  # noqa: E402
+from benchlib import (copy_bandwidth, device_time, environment, kernel_time, matmul_rate, timer_overhead,  # noqa: E402
+                      write_json)
 
 from jaxinfer.kernels.attention import reference  # noqa: E402
 from jaxinfer.kernels.attention.decode_pallas import paged_decode_attention  # noqa: E402
@@ -97,6 +99,33 @@ def rotary_checks():
     return rows
 
 
+def norm_checks():
+    """The residual add + RMSNorm kernel against its jnp reference (parity of the normalised output and
+    of the sum, and the time of each) at the decode and prefill sizes of the benchmarked models."""
+    from jaxinfer.kernels.norm import reference as norm_reference
+    from jaxinfer.kernels.norm.rms_norm_pallas import add_rms_norm
+
+    rows = []
+    for tokens, hidden, residual, options in ((1, 2048, True, {}), (1, 4096, False, {}), (32, 2048, True, {}),
+                                              (8192, 4096, True, {}), (7, 2880, True, {"float32_weight": True})):
+        keys = jax.random.split(jax.random.PRNGKey(tokens + hidden), 3)
+        x = jax.random.normal(keys[0], (tokens, hidden), jnp.float32).astype(jnp.bfloat16)
+        res = jax.random.normal(keys[1], (tokens, hidden), jnp.float32).astype(jnp.bfloat16) if residual else None
+        weight = (1 + 0.1 * jax.random.normal(keys[2], (hidden,), jnp.float32)).astype(jnp.bfloat16)
+        want = jax.jit(functools.partial(norm_reference.add_rms_norm, eps=1e-6, **options))(x, res, weight)
+        got = add_rms_norm(x, res, weight, 1e-6, **options)
+        errs = [float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32)))) for g, w in zip(got, want)]
+        row = {"tokens": tokens, "hidden": hidden, "residual": residual, **options, "max_abs_err_norm_sum": errs,
+               "ok": bool(errs[0] <= 0.0625 and errs[1] == 0.0)}  # the norm: 1 bf16 ulp at |x| < 16
+        for name, fn in (("ours", add_rms_norm), ("jnp", norm_reference.add_rms_norm)):
+            step = lambda a, r, fn=fn: fn(a, r, weight, 1e-6, **options)  # noqa: E731
+            row[f"{name}_us"] = device_time(lambda a, r: step(a, r)[0], x, res, iters=20, repeats=3, unroll=10) * 1e6
+            row[f"{name}_kernel_us"] = kernel_time(step, x, res) * 1e6  # without the timing loop
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 # (batch, context) of the decode benchmarks: 32 q / 8 kv heads, d 128, pages of 16, bf16.
 DECODE_SHAPES = ((1, 4096), (32, 4096), (128, 2048))
 
@@ -112,12 +141,17 @@ def decode_benchmarks(bandwidth):
     rows = []
     for batch, context in DECODE_SHAPES:
         inputs, kv_bytes = _decode_benchmark_case(batch, context)
-        ours = device_time(functools.partial(paged_decode_attention, scale=128**-0.5), *inputs, unroll=10)
+        ours_fn = functools.partial(paged_decode_attention, scale=128**-0.5)
+        ours = device_time(ours_fn, *inputs, unroll=10)
         theirs = device_time(jax_paged_attention, *inputs, unroll=10)
+        # The kernels' own time as well (profiler), without the timing loop's overhead.
+        ours_kernels, theirs_kernels = kernel_time(ours_fn, *inputs), kernel_time(jax_paged_attention, *inputs)
         rows.append({
             "batch": batch, "context": context, "bytes": kv_bytes,
             "ours_us": ours * 1e6, "ours_bw_fraction": kv_bytes / ours / bandwidth,
             "jax_paged_attention_us": theirs * 1e6, "jax_bw_fraction": kv_bytes / theirs / bandwidth,
+            "ours_kernel_us": ours_kernels * 1e6, "ours_kernel_bw_fraction": kv_bytes / ours_kernels / bandwidth,
+            "jax_kernel_us": theirs_kernels * 1e6, "jax_kernel_bw_fraction": kv_bytes / theirs_kernels / bandwidth,
         })
         print(rows[-1], flush=True)
     return rows
@@ -276,6 +310,7 @@ def main():
         result["decode_parity"] = decode_parity()
         print("decode parity ok:", all(r["ok"] for r in result["decode_parity"]), flush=True)
         result["rotary_cache_write"] = rotary_checks()
+        result["add_rms_norm"] = norm_checks()
         result["decode_benchmarks"] = decode_benchmarks(result["copy_bandwidth_TBps"] * 1e12)
     if args.sweep:
         write_json("gpu_check.json", result)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import os
 import sys
 import tempfile
@@ -22,36 +21,12 @@ import jax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import MODELS, build_engine, decode_requests  # noqa: E402
-from benchlib import environment, write_json, write_text  # noqa: E402
-
-
-def gpu_kernels(trace_dir: str) -> list[tuple[float, float, str]]:
-    """(start ns, end ns, name) of every kernel on the first GPU's streams in the trace."""
-    from jax.profiler import ProfileData
-
-    (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-    data = ProfileData.from_file(path)
-    plane = data.find_plane_with_name("/device:GPU:0")
-    if plane is None:
-        raise RuntimeError(f"no GPU plane in the trace; planes: {[p.name for p in data.planes]}")
-    kernels = []
-    for line in plane.lines:
-        if not line.name.startswith("Stream"):
-            continue  # "XLA Ops" / "XLA Modules" repeat the stream events under HLO names
-        for event in line.events:
-            stats = {name: value for name, value in event.stats}
-            name = f"{stats.get('hlo_op', '?')} | {event.name[:80]}"
-            kernels.append((event.start_ns, event.start_ns + event.duration_ns, name))
-    return sorted(kernels)
+from benchlib import busy_ns, environment, gpu_kernels, write_json, write_text  # noqa: E402
 
 
 def summarise(kernels, steps: int, layers: int, top: int = 40) -> dict:
     start, end = kernels[0][0], max(k[1] for k in kernels)
-    busy, cursor = 0.0, start
-    for k_start, k_end, _ in kernels:  # union of the kernels' intervals
-        if k_end > cursor:
-            busy += k_end - max(k_start, cursor)
-            cursor = k_end
+    busy = busy_ns(kernels)
     by_name = collections.defaultdict(lambda: [0, 0.0])
     for k_start, k_end, name in kernels:
         by_name[name][0] += 1
