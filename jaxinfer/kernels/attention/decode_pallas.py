@@ -10,9 +10,9 @@ there are few sequences. Pages a sliding window has left behind are skipped, not
 reshape), and a block is one gather of ``block_tokens`` rows, ``page_id * page_size + offset``, from
 the block table: any page size, and a ``[block_tokens, d]`` tile with no reshape after the load.
 With the earlier ``[pages, page_size, d]`` gather and a reshape, Triton's pipeliner streamed only K
-through ``cp.async`` and V through registers, and used twice the shared memory; the flat gather took
-batch 32 / 128 from 63-67% of the measured copy bandwidth to 102-111% (reads alone can exceed the
-copy rate, which counts a write per read) on the H200.
+through ``cp.async`` and V through registers (read in the compiled PTX); the flat gather streams
+both and took batch 32 / 128 from 63-67% of the measured copy bandwidth to 102-111% (reads alone
+can exceed the copy rate, which counts a write per read) on the H200.
 
 **One block per program** (short contexts, few sequences: the common batch-1 case) runs without a
 loop: the block's rows and the sequence length are read together, the K/V loads (masked past the
