@@ -50,3 +50,9 @@ def test_mixed_dtypes_are_refused():
     x, residual, weight = _case(2, 32, jnp.bfloat16)
     with pytest.raises(ValueError, match="one dtype"):
         add_rms_norm(x, residual.astype(jnp.float32), weight, 1e-6, interpret=True)
+
+
+def test_no_rows():
+    x, residual, weight = _case(0, 32, jnp.float32)
+    normed, summed = add_rms_norm(x, residual, weight, 1e-6, interpret=True)
+    assert normed.shape == summed.shape == (0, 32)

@@ -22,6 +22,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxinfer.kernels.norm import reference
+
 # Rows per program: this many elements (at least one row), so that a few dozen rows already spread
 # over dozens of SMs.
 _ELEMENTS_PER_PROGRAM = 4096
@@ -70,6 +72,9 @@ def add_rms_norm(x, residual, weight, eps: float, *, unit_offset: bool = False, 
     hidden = shape[-1]
     x2 = x.reshape(-1, hidden)
     num_rows = x2.shape[0]
+    if num_rows == 0:  # no rows, no launch (a grid of zero programs)
+        return reference.add_rms_norm(x, residual, weight, eps, unit_offset=unit_offset,
+                                      float32_weight=float32_weight)
     block_hidden = _next_pow2(hidden)
     block_rows = min(_next_pow2(num_rows), max(1, _ELEMENTS_PER_PROGRAM // block_hidden))
     inputs = [x2] + ([residual.reshape(-1, hidden)] if residual is not None else []) + [weight]
