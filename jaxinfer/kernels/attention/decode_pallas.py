@@ -207,9 +207,11 @@ def default_blocking(num_seqs: int, num_kv_heads: int, pages_per_seq: int, page_
     (16..128 tokens), halved (down to 64 tokens) while there are fewer blocks than SMs; enough splits
     to fill the GPU.
 
-    On the H200 (``scripts/gpu_check.py --sweep``), 64-token blocks were fastest at 32 and 128
-    sequences and 128-token blocks at one sequence of 4096 tokens (d 128, bf16); at one sequence of
-    512 tokens over 4 KV heads, 64-token blocks (32 programs) beat 128 (16 programs).
+    On the H200 (``scripts/gpu_check.py --sweep``, with the earlier page gather), 64-token blocks
+    were fastest at 32 and 128 sequences and 128-token blocks at one sequence of 4096 tokens (d 128,
+    bf16). With the flat row gather (``scripts/compare_decode.py``), 64 and 128 were within 4% of
+    each other at 32 and 128 sequences, 128 stayed ahead at one sequence of 4096 tokens, and at one
+    sequence of 512 tokens over 4 KV heads 64-token blocks (32 programs) beat 128 (16 programs).
     """
     pairs = num_seqs * num_kv_heads
     block_bytes = 32768 if pairs < _SMS else 16384  # fewer (sequence, head) pairs than SMs
