@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import copy_bandwidth, environment, write_json  # noqa: E402
+from benchlib import KERNEL_FAMILIES, copy_bandwidth, environment, force_reference, write_json  # noqa: E402
 
 
 def llama3_8b_config(layers: int) -> dict:
@@ -238,7 +238,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--num-pages", type=int, default=None, help="KV pages (default: the engine's)")
     parser.add_argument("--prefill", nargs="*", default=["1x8192", "16x1024"], help="prefill shapes, BATCHxLENGTH")
-    parser.add_argument("--attention", default=None, help="force an attention implementation (e.g. reference)")
+    parser.add_argument("--reference", nargs="*", default=[], choices=KERNEL_FAMILIES,
+                        help="op families to run as their jnp references instead of the GPU kernels")
     parser.add_argument("--hf-batches", type=int, nargs="*", default=[1, 32])
     parser.add_argument("--hf-context", type=int, default=512)
     parser.add_argument("--hf-only", action="store_true", help=argparse.SUPPRESS)
@@ -258,11 +259,9 @@ def main():
         out = subprocess.run(cmd, capture_output=True, text=True)
         result["hf"] = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {"error": out.stderr[-2000:]}
         print("hf", result["hf"], flush=True)
-    if args.attention:
-        from jaxinfer.kernels import attention
-
-        attention.set_implementation(args.attention)
-        result["attention"] = args.attention
+    if args.reference:
+        force_reference(args.reference)
+        result["reference_ops"] = args.reference
     result["copy_bandwidth_TBps"] = copy_bandwidth() / 1e12
     def save(partial):
         result["jaxinfer"] = partial

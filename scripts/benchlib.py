@@ -74,18 +74,30 @@ def busy_ns(kernels) -> float:
     return busy
 
 
-def kernel_time(fn, *args, calls: int = 20) -> float:
-    """Seconds per call of ``fn(*args)`` in which the GPU was running its kernels, from a profiler
-    trace of ``calls`` separate calls: the op's own device time, without the launch gaps and loop
-    overhead that ``device_time`` includes (which matter at microsecond scale)."""
+def _trace_kernels(fn, args, calls: int):
     run = jax.jit(fn)
     jax.block_until_ready(run(*args))
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
             for _ in range(calls):
                 jax.block_until_ready(run(*args))
-        kernels = gpu_kernels(trace_dir)
-    return busy_ns(kernels) * 1e-9 / calls
+        return gpu_kernels(trace_dir)
+
+
+def kernel_time(fn, *args, calls: int = 20) -> float:
+    """Seconds per call of ``fn(*args)`` in which the GPU was running its kernels, from a profiler
+    trace of ``calls`` separate calls: the op's own device time, without the launch gaps and loop
+    overhead that ``device_time`` includes (which matter at microsecond scale)."""
+    return busy_ns(_trace_kernels(fn, args, calls)) * 1e-9 / calls
+
+
+def kernel_breakdown(fn, *args, calls: int = 20) -> dict[str, float]:
+    """Microseconds per call of each kernel ``fn(*args)`` launches (by name), from a profiler trace."""
+    totals: dict[str, float] = {}
+    for start, end, name in _trace_kernels(fn, args, calls):
+        kernel = name.split(" | ", 1)[-1]
+        totals[kernel] = totals.get(kernel, 0.0) + (end - start) * 1e-3 / calls
+    return totals
 
 
 def timer_overhead(unroll: int = 1) -> float:
@@ -105,6 +117,17 @@ def matmul_rate() -> float:
     a = jax.random.normal(jax.random.PRNGKey(0), (8192, 8192), jnp.bfloat16) * 8192**-0.25  # x @ x keeps its scale
     seconds = device_time(lambda x: x @ x, a, iters=10)
     return 2 * 8192**3 / seconds
+
+
+KERNEL_FAMILIES = ("attention", "linear", "moe", "norm")  # modules of jaxinfer.kernels with a dispatcher
+
+
+def force_reference(families) -> None:
+    """Run these op families' plain-jnp references instead of their GPU kernels (for A/B runs)."""
+    import importlib
+
+    for family in families:
+        importlib.import_module(f"jaxinfer.kernels.{family}").set_implementation("reference")
 
 
 def environment() -> dict:

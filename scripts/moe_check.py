@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from benchlib import (copy_bandwidth, device_time, environment, kernel_time, matmul_rate, timer_overhead,  # noqa: E402
-                      write_json)
+from benchlib import (copy_bandwidth, device_time, environment, kernel_breakdown, kernel_time, matmul_rate,  # noqa: E402
+                      timer_overhead, write_json)
 
 from jaxinfer.kernels.moe import reference  # noqa: E402
 from jaxinfer.kernels.moe import grouped_pallas, router_pallas  # noqa: E402
@@ -40,10 +40,10 @@ def make(shape, tokens, dtype=jnp.bfloat16, seed=0):
     return x, ids.astype(jnp.int32), weights.astype(dtype), params
 
 
-def parity():
+def parity(token_counts=(1, 8, 64, 4096)):
     rows = []
     for name, shape in SHAPES.items():
-        for tokens in (1, 8, 64, 4096):
+        for tokens in token_counts:
             x, ids, weights, params = make(shape, tokens)
             ref = reference.moe_mlp(x.astype(jnp.float32), ids, weights.astype(jnp.float32),
                                     **{k: v.astype(jnp.float32) for k, v in params.items()},
@@ -88,11 +88,11 @@ def router_check():
     return rows
 
 
-def benchmarks(bandwidth, flops_rate):
+def benchmarks(bandwidth, flops_rate, token_counts=(1, 8, 64, 4096)):
     rows = []
     for name, shape in SHAPES.items():
         act = shape["activation"]
-        for tokens in (1, 8, 64, 4096):
+        for tokens in token_counts:
             x, ids, weights, params = make(shape, tokens)
             op = lambda x, ids, weights, p: grouped_pallas.moe_mlp(x, ids, weights, **p, activation=act,  # noqa: E731
                                                                    distinct_experts=True)
@@ -175,12 +175,13 @@ def prefill_sweep(flops_rate):
 
 
 def decode_sweep(bandwidth):
-    """1 and 8 tokens: launch parameters of each kernel at decode sizes (the other at its default)."""
-    from jaxinfer.kernels.moe.grouped_pallas import KernelTuning
+    """1 and 8 tokens: launch parameters of each kernel at decode sizes (the other at its default),
+    by kernel time, each kernel's own time listed."""
+    from jaxinfer.kernels.moe.grouped_pallas import KernelTuning as T
 
-    configs = [{}, dict(down_tuning=KernelTuning(64, 128, 4, 4)), dict(down_tuning=KernelTuning(32, 256, 4, 3)),
-               dict(gate_up_tuning=KernelTuning(32, 256, 4, 3)), dict(gate_up_tuning=KernelTuning(16, 128, 4, 4)),
-               dict(down_tuning=KernelTuning(16, 128, 4, 4))]
+    configs = [{}, dict(down_tuning=T(64, 128, 4, 4)), dict(down_tuning=T(32, 256, 4, 3)),
+               dict(gate_up_tuning=T(32, 256, 4, 3)), dict(gate_up_tuning=T(16, 128, 4, 4)),
+               dict(down_tuning=T(16, 128, 4, 4))]
     rows = []
     for name, shape in SHAPES.items():
         act = shape["activation"]
@@ -190,9 +191,14 @@ def decode_sweep(bandwidth):
             for cfg in configs:
                 fn = lambda x, ids, w, p, cfg=cfg: grouped_pallas.moe_mlp(x, ids, w, **p, activation=act, distinct_experts=True,  # noqa: E731
                                                                        **cfg)
-                seconds = device_time(fn, x, ids, weights, params, iters=20, repeats=3, unroll=10)
-                rows.append({"shape": name, "tokens": tokens, "config": repr(cfg), "us": seconds * 1e6,
-                             "bw_fraction": expert_bytes / seconds / bandwidth})
+                try:
+                    kernels = kernel_breakdown(fn, x, ids, weights, params)
+                except Exception as e:  # a configuration Triton cannot compile
+                    rows.append({"shape": name, "tokens": tokens, "config": repr(cfg), "error": str(e)[:200]})
+                    continue
+                seconds = sum(kernels.values()) * 1e-6
+                rows.append({"shape": name, "tokens": tokens, "config": repr(cfg), "kernel_us": seconds * 1e6,
+                             "kernel_bw_fraction": expert_bytes / seconds / bandwidth, "kernels_us": kernels})
                 print(rows[-1], flush=True)
     return rows
 
@@ -204,16 +210,21 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="also sweep the prefill launch parameters")
     parser.add_argument("--sweep-decode", action="store_true", help="also sweep the decode launch parameters")
     parser.add_argument("--skip-parity", action="store_true")
+    parser.add_argument("--bench-tokens", type=int, nargs="+", default=[1, 8, 64, 4096],
+                        help="token counts of the benchmarks")
+    parser.add_argument("--parity-tokens", type=int, nargs="+", default=[1, 8, 64, 4096],
+                        help="token counts of the parity cases")
     args = parser.parse_args()
     result = {"environment": environment(), "copy_bandwidth_TBps": copy_bandwidth() / 1e12,
               "bf16_matmul_TFLOPs": matmul_rate() / 1e12, "timer_overhead_unrolled_us": timer_overhead(unroll=10) * 1e6}
     print(result, flush=True)
     if not args.skip_parity:
-        result["parity"] = parity()
+        result["parity"] = parity(args.parity_tokens)
         write_json("moe_check.json", result)
     result["router"] = router_check()
     write_json("moe_check.json", result)
-    result["benchmarks"] = benchmarks(result["copy_bandwidth_TBps"] * 1e12, result["bf16_matmul_TFLOPs"] * 1e12)
+    result["benchmarks"] = benchmarks(result["copy_bandwidth_TBps"] * 1e12, result["bf16_matmul_TFLOPs"] * 1e12,
+                                      args.bench_tokens)
     if args.sweep_decode:
         write_json("moe_check.json", result)
         result["decode_sweep"] = decode_sweep(result["copy_bandwidth_TBps"] * 1e12)

@@ -21,7 +21,8 @@ import jax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import MODELS, build_engine, decode_requests  # noqa: E402
-from benchlib import busy_ns, environment, gpu_kernels, write_json, write_text  # noqa: E402
+from benchlib import (KERNEL_FAMILIES, busy_ns, environment, force_reference, gpu_kernels, write_json,  # noqa: E402
+                      write_text)
 
 
 def summarise(kernels, steps: int, layers: int, top: int = 40) -> dict:
@@ -52,11 +53,15 @@ def main():
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--hlo", action="store_true", help="also write each decode executable's optimised HLO")
+    parser.add_argument("--reference", nargs="*", default=[], choices=KERNEL_FAMILIES,
+                        help="op families to run as their jnp references instead of the GPU kernels")
     args = parser.parse_args()
+    force_reference(args.reference)
+    suffix = "".join(f"_ref-{family}" for family in args.reference)
     _, _, engine = build_engine(args.model, args.layers, steps=args.steps, max_len=args.context + args.steps + 16,
                                 max_seqs=max(args.batch), batched_tokens=max(args.batch))
     result = {"environment": environment(), "model": args.model, "layers": args.layers, "context": args.context,
-              "steps_per_call": args.steps, "batches": {}}
+              "steps_per_call": args.steps, "reference_ops": args.reference, "batches": {}}
     for batch in args.batch:
         requests, key = decode_requests(engine, batch, args.context, args.steps)
         if args.hlo:  # to map the profile's fusion names to the ops they hold
@@ -73,7 +78,7 @@ def main():
             print(f"  {row['us_per_step']:8.1f} us  {row['calls_per_step']:6.1f}x  {row['kernel']}")
         for r in requests:
             engine.scheduler.allocator.free(r.pages)
-    print("wrote", write_json(f"profile_step_{args.model}.json", result))
+    print("wrote", write_json(f"profile_step_{args.model}{suffix}.json", result))
 
 
 if __name__ == "__main__":

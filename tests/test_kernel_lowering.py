@@ -17,6 +17,7 @@ from jaxinfer.cache.metadata import AttentionMetadata
 from jaxinfer.kernels.attention.decode_pallas import paged_decode_attention
 from jaxinfer.kernels.attention.prefill_pallas import ragged_paged_attention
 from jaxinfer.kernels.attention.rotary_pallas import rotary_cache_write
+from jaxinfer.kernels.linear.skinny_pallas import project
 from jaxinfer.kernels.moe.grouped_pallas import moe_mlp
 from jaxinfer.kernels.moe.router_pallas import route
 from jaxinfer.kernels.norm.rms_norm_pallas import add_rms_norm
@@ -107,3 +108,15 @@ def test_add_rms_norm_lowers(rows, hidden, residual):
         fn = lambda x, w: add_rms_norm(x, None, w, 1e-6, float32_weight=True)  # noqa: E731
         args = (S((rows, hidden), BF16), S((hidden,), BF16))
     assert "add_rms_norm" in _lower_for_gpu(fn, *args)
+
+
+@pytest.mark.parametrize("rows, out_features, in_features, bias", [
+    (1, (4096, 512, 512), 2048, False),  # Qwen3-30B-A3B q/k/v at one token
+    (1, (2880,), 4096, True),            # not a multiple of the block, with a bias
+    (8, (128,), 2048, False),            # tensor-core path
+])
+def test_project_lowers(rows, out_features, in_features, bias):
+    weights = tuple(S((n, in_features), BF16) for n in out_features)
+    biases = tuple(S((n,), BF16) for n in out_features) if bias else None
+    text = _lower_for_gpu(lambda x, w, b: project(x, w, b), S((rows, in_features), BF16), weights, biases)
+    assert "project_block_n" in text

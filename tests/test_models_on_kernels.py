@@ -3,7 +3,8 @@
 On a GPU the op dispatchers pick the kernels; on CPU they pick the references, so the other model
 tests never run the kernels. Here every kernel op is installed in interpret mode: logits (prefill
 attention, the fused q/k norm + RoPE + cache write, residual add + RMSNorm, routing, the grouped
-GEMMs) and greedy tokens (decode attention) must still match HF.
+GEMMs) and greedy tokens (decode attention, the few-row q/k/v and gate/up projections) must still
+match HF.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import pytest
 import torch
 
 from jaxinfer import load_model
-from jaxinfer.kernels import attention, moe, norm
+from jaxinfer.kernels import attention, linear, moe, norm
+from jaxinfer.kernels.linear import reference as linear_reference
+from jaxinfer.kernels.linear import skinny_pallas
 from jaxinfer.kernels.moe import router_pallas
 from tests.conftest import assert_greedy_matches_hf, random_prompts
 from tests.test_moe import CASES as MOE_CASES
@@ -28,13 +31,23 @@ CASES = {
 }
 
 
+def _few_row_projections(x, weights, biases=None):
+    if x.size // x.shape[-1] <= skinny_pallas.MAX_ROWS:
+        return skinny_pallas.project(x, weights, biases, interpret=True)
+    return linear_reference.project(x, weights, biases)
+
+
 @pytest.fixture
 def interpreted_kernels(monkeypatch):
-    for ops in (attention, moe, norm):
+    for ops in (attention, linear, moe, norm):
         dispatch = ops._dispatch
         kernels = {op: functools.partial(fn, interpret=True) for op, fn in dispatch.implementations["pallas"].items()}
-        if ops is moe:  # the routing kernel itself, not its size policy: the models route through it at every size
+        # The kernels themselves, not their size policies: the models route through the routing
+        # kernel at every size, and decode steps of up to 16 rows project through the few-row kernel.
+        if ops is moe:
             kernels["route"] = functools.partial(router_pallas.route, interpret=True)
+        if ops is linear:
+            kernels["project"] = _few_row_projections
         monkeypatch.setitem(dispatch.implementations, "pallas", kernels)
         monkeypatch.setattr(dispatch, "forced", "pallas")
 

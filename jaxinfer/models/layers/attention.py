@@ -7,12 +7,13 @@ import jax.numpy as jnp
 
 from jaxinfer.cache.metadata import AttentionMetadata
 from jaxinfer.kernels import attention as attention_ops
-from jaxinfer.models.layers.linear import Linear
+from jaxinfer.kernels import linear as linear_ops
+from jaxinfer.models.layers.linear import Linear, LinearParams
 from jaxinfer.models.layers.norm import NormWeight, RMSNorm
 
 
 class PagedGQAttention(nn.Module):
-    """q/k/v projections -> optional q/k RMSNorm -> RoPE -> cache write -> attention (optional sliding
+    """q/k/v projections (one op) -> optional q/k RMSNorm -> RoPE -> cache write -> attention (optional sliding
     window and sinks) -> o_proj. A per-head q/k norm, RoPE and the cache write are one op
     (``rotary_cache_write``).
 
@@ -34,10 +35,12 @@ class PagedGQAttention(nn.Module):
     @nn.compact
     def __call__(self, x, cos, sin, kv_cache, md: AttentionMetadata):
         t = x.shape[0]
-        proj = lambda n, bias, name: Linear(n, bias, self.param_dtype, name=name)  # noqa: E731
-        q = proj(self.num_heads * self.head_dim, self.qkv_bias, "q_proj")(x)
-        k = proj(self.num_kv_heads * self.head_dim, self.qkv_bias, "k_proj")(x)
-        v = proj(self.num_kv_heads * self.head_dim, self.qkv_bias, "v_proj")(x).reshape(t, self.num_kv_heads, self.head_dim)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qkv = [LinearParams(n, self.qkv_bias, self.param_dtype, name=name)(x.shape[-1])
+               for n, name in ((q_size, "q_proj"), (kv_size, "k_proj"), (kv_size, "v_proj"))]
+        # One op for the three (one launch at decode), weights kept apart as the checkpoint has them.
+        q, k, v = linear_ops.project(x, [w for w, _ in qkv], [b for _, b in qkv])
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         norm = lambda name: RMSNorm(self.qk_norm_eps, param_dtype=self.param_dtype, name=name)  # noqa: E731
         norms = {}
         if self.qk_norm_eps is not None and self.qk_norm == "full":
@@ -56,5 +59,5 @@ class PagedGQAttention(nn.Module):
             out = attention_ops.paged_decode_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, **options)
         else:
             out = attention_ops.ragged_paged_attention(q, k_cache, v_cache, md, **options)
-        out = proj(x.shape[-1], self.o_bias, "o_proj")(out.reshape(t, self.num_heads * self.head_dim))
+        out = Linear(x.shape[-1], self.o_bias, self.param_dtype, name="o_proj")(out.reshape(t, q_size))
         return out, (k_cache, v_cache)

@@ -11,6 +11,12 @@ import jax.numpy as jnp
 _INIT = nn.initializers.normal(stddev=0.02)
 
 
+def _linear_params(module: nn.Module, features: int, in_features: int, use_bias: bool, param_dtype):
+    weight = module.param("weight", _INIT, (features, in_features), param_dtype)
+    bias = module.param("bias", nn.initializers.zeros, (features,), param_dtype) if use_bias else None
+    return weight, bias
+
+
 class Linear(nn.Module):
     features: int
     use_bias: bool = False
@@ -18,11 +24,22 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        weight = self.param("weight", _INIT, (self.features, x.shape[-1]), self.param_dtype)
+        weight, bias = _linear_params(self, self.features, x.shape[-1], self.use_bias, self.param_dtype)
         y = jax.lax.dot_general(x, weight.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())))
-        if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype).astype(y.dtype)
-        return y
+        return y if bias is None else y + bias.astype(y.dtype)
+
+
+class LinearParams(nn.Module):
+    """A ``Linear``'s parameters alone (``<name>/weight``, ``<name>/bias``), returned as
+    ``(weight, bias or None)`` for ops that apply several projections at once."""
+
+    features: int
+    use_bias: bool = False
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, in_features: int):
+        return _linear_params(self, self.features, in_features, self.use_bias, self.param_dtype)
 
 
 class Embedding(nn.Module):

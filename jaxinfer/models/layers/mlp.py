@@ -3,8 +3,9 @@
 import flax.linen as nn
 import jax.numpy as jnp
 
+from jaxinfer.kernels import linear as linear_ops
 from jaxinfer.models.layers.activations import get_activation
-from jaxinfer.models.layers.linear import Linear
+from jaxinfer.models.layers.linear import Linear, LinearParams
 
 
 class GatedMLP(nn.Module):
@@ -16,6 +17,7 @@ class GatedMLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         act = get_activation(self.hidden_act)
-        dense = lambda n, name: Linear(n, self.use_bias, self.param_dtype, name=name)  # noqa: E731
-        hidden = act(dense(self.intermediate_size, "gate_proj")(x)) * dense(self.intermediate_size, "up_proj")(x)
-        return dense(x.shape[-1], "down_proj")(hidden)
+        gate_up = [LinearParams(self.intermediate_size, self.use_bias, self.param_dtype, name=name)(x.shape[-1])
+                   for name in ("gate_proj", "up_proj")]
+        gate, up = linear_ops.project(x, [w for w, _ in gate_up], [b for _, b in gate_up])  # one op for the two
+        return Linear(x.shape[-1], self.use_bias, self.param_dtype, name="down_proj")(act(gate) * up)

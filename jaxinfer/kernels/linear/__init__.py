@@ -1,0 +1,41 @@
+"""Linear projections: ``project`` applies one or several ``nn.Linear``-style projections of one input.
+
+It dispatches by platform: the plain-jnp reference (``reference.py``: XLA's matmuls) on CPU. On the
+GPU, the Pallas kernel (``skinny_pallas.py``: every projection in one launch, streaming the weights
+once) where it measured faster than XLA inside the model (``scripts/profile_step.py`` with and
+without ``--reference linear``, H200): several projections of one row, i.e. an attention block's
+q/k/v and a gated MLP's gate/up at a batch-1 decode step. Qwen3-30B-A3B's q/k/v took 7.65 us per
+layer there against XLA's two kernels' 8.95. At 8 rows XLA's GEMM was as fast (9.9 against 10.2
+us), and a single projection stays on XLA, whose matrix-vector kernel was faster on its own
+(``scripts/linear_check.py``: 4.3 us against 6.7 for that model's o_proj).
+``set_implementation("reference")`` forces the reference.
+"""
+
+from __future__ import annotations
+
+from jaxinfer.kernels.dispatch import OpDispatcher
+from jaxinfer.kernels.linear import reference, skinny_pallas
+
+
+def _project_where_faster(x, weights, biases=None, *, interpret: bool = False):
+    rows = x.size // x.shape[-1] if x.shape[-1] else 0
+    if len(weights) > 1 and rows == 1:
+        return skinny_pallas.project(x, weights, biases, interpret=interpret)
+    return reference.project(x, weights, biases)
+
+
+_dispatch = OpDispatcher(
+    "linear",
+    {"reference": {"project": reference.project}, "pallas": {"project": _project_where_faster}},
+    {"gpu": "pallas", "cuda": "pallas"},
+)
+set_implementation = _dispatch.set_implementation
+implementation_name = _dispatch.implementation_name
+
+
+def project(x, weights, biases=None, **options):
+    """x [..., K], weights ``[N_i, K]``, biases ``[N_i]`` or None -> tuple of [..., N_i]; see the reference."""
+    return _dispatch("project")(x, tuple(weights), None if biases is None else tuple(biases), **options)
+
+
+__all__ = ["implementation_name", "project", "set_implementation"]

@@ -1,0 +1,68 @@
+"""The few-row projection kernel (interpret mode, CPU) against its reference, and the op's checks."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.kernels import linear as linear_ops
+from jaxinfer.kernels.linear import reference, skinny_pallas
+
+
+def _case(rows, out_features, in_features, dtype, bias_dtypes, seed=0):
+    rng = np.random.RandomState(seed)
+    x = jnp.asarray(rng.randn(rows, in_features), dtype)
+    weights = [jnp.asarray(rng.randn(n, in_features) * in_features**-0.5, dtype) for n in out_features]
+    biases = [None if b is None else jnp.asarray(rng.randn(n), b) for n, b in zip(out_features, bias_dtypes)]
+    return x, weights, biases
+
+
+@pytest.mark.parametrize("rows", [1, 3])  # elementwise path; tensor-core path with rows padded to 16
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("blocking", [None, skinny_pallas.Blocking(16, 32, 4, 2)])  # 200 columns: masked K blocks
+def test_matches_reference(rows, dtype, blocking):
+    # Three projections of ragged widths (48, 20, 7 columns: partial column blocks), biases on two, one
+    # of them float32 (rounded to x's dtype, as the reference adds it).
+    x, weights, biases = _case(rows, (48, 20, 7), 200, dtype, (None, dtype, jnp.float32))
+    want = reference.project(x, weights, biases)
+    got = skinny_pallas.project(x, weights, biases, blocking=blocking, interpret=True)
+    assert len(got) == 3
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype == dtype
+        # float32: rounding of the sums; bf16: the two sums may round one unit apart.
+        tol = 1e-5 if dtype == jnp.float32 else 2**-7
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=tol, atol=tol)
+
+
+def test_leading_axes_and_the_op():
+    x, weights, biases = _case(6, (32, 16), 64, jnp.float32, (jnp.float32, None))
+    x = x.reshape(2, 3, 64)
+    got = skinny_pallas.project(x, weights, biases, interpret=True)
+    want = linear_ops.project(x, weights, biases)  # on CPU the op runs the reference
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_input_is_refused():
+    x, weights, _ = _case(2, (32, 16), 64, jnp.float32, (None, None))
+    with pytest.raises(ValueError, match="must be \\[out_features, 64\\]"):
+        linear_ops.project(x, [weights[0], weights[1][:, :32]])
+    with pytest.raises(ValueError, match="2 weights but 1 biases"):
+        linear_ops.project(x, weights, [None])
+    with pytest.raises(ValueError, match="bias 0"):
+        linear_ops.project(x, weights, [jnp.zeros(31), None])
+    big = jnp.zeros((skinny_pallas.MAX_ROWS + 1, 64))
+    with pytest.raises(ValueError, match="1 to 16 rows"):
+        skinny_pallas.project(big, weights, interpret=True)
+    with pytest.raises(ValueError, match="block_n"):
+        skinny_pallas.project(x, weights, blocking=skinny_pallas.Blocking(4, 64, 4, 3), interpret=True)
+
+
+def test_default_blocking():
+    one = skinny_pallas.default_blocking(1, 2048)
+    assert (one.block_n, one.block_k) == (4, 1024)
+    assert skinny_pallas.default_blocking(1, 40).block_k == 64  # never wider than the padded row
+    several = skinny_pallas.default_blocking(8, 2048)
+    assert several.block_n >= 16  # the tensor-core dot's minimum
