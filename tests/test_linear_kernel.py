@@ -56,6 +56,8 @@ def test_bad_input_is_refused():
     big = jnp.zeros((skinny_pallas.MAX_ROWS + 1, 64))
     with pytest.raises(ValueError, match="1 to 16 rows"):
         skinny_pallas.project(big, weights, interpret=True)
+    with pytest.raises(ValueError, match="no input features"):
+        skinny_pallas.project(jnp.zeros((1, 0)), [jnp.zeros((4, 0))], interpret=True)
     with pytest.raises(ValueError, match="block_n"):
         skinny_pallas.project(x, weights, blocking=skinny_pallas.Blocking(4, 64, 4, 3), interpret=True)
 

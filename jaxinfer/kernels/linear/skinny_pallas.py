@@ -129,9 +129,11 @@ def project(x, weights, biases=None, *, blocking: Blocking | None = None, interp
     biases = (None,) * len(weights) if biases is None else tuple(biases)
     reference.check_projections(x, weights, biases)
     lead, k_size = x.shape[:-1], x.shape[-1]
+    if k_size == 0:
+        raise ValueError(f"x {x.shape} has no input features to project")
     x2 = x.reshape(-1, k_size)
     rows = x2.shape[0]
-    if not 0 < rows <= MAX_ROWS or k_size == 0:
+    if not 0 < rows <= MAX_ROWS:
         raise ValueError(f"the few-row projection kernel takes 1 to {MAX_ROWS} rows, not {rows} (x {x.shape})")
     out_features = tuple(w.shape[0] for w in weights)
     blocking = blocking or default_blocking(rows, k_size)
