@@ -8,6 +8,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.kernels import linear as linear_ops
+
 _INIT = nn.initializers.normal(stddev=0.02)
 
 
@@ -25,8 +27,7 @@ class Linear(nn.Module):
     @nn.compact
     def __call__(self, x):
         weight, bias = _linear_params(self, self.features, x.shape[-1], self.use_bias, self.param_dtype)
-        y = jax.lax.dot_general(x, weight.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())))
-        return y if bias is None else y + bias.astype(y.dtype)
+        return linear_ops.project(x, [weight], [bias])[0]
 
 
 class LinearParams(nn.Module):
