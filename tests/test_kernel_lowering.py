@@ -15,6 +15,7 @@ import pytest
 
 from jaxinfer.cache.metadata import AttentionMetadata
 from jaxinfer.kernels.attention.decode_pallas import paged_decode_attention
+from jaxinfer.kernels.attention import prefill_mgpu
 from jaxinfer.kernels.attention.prefill_pallas import ragged_paged_attention
 from jaxinfer.kernels.attention.rotary_pallas import rotary_cache_write
 from jaxinfer.kernels.linear.skinny_pallas import project
@@ -65,6 +66,27 @@ def test_prefill_lowers(heads, kv_heads, head_dim, page_size):
                           S((t, heads, head_dim), BF16), S((kv_heads, seqs * pages, page_size, head_dim), BF16),
                           S((kv_heads, seqs * pages, page_size, head_dim), BF16), md)
     assert "ragged_paged_prefill" in text
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, page_size", [(32, 8, 128, 16), (8, 1, 64, 32), (4, 4, 128, 256)])
+def test_prefill_mosaic_gpu_lowers(heads, kv_heads, head_dim, page_size):
+    # The warp-specialised kernel (Mosaic GPU) lowers for the GPU on a CPU-only machine too.
+    t, seqs, pages = 1000, 3, 32
+    md = AttentionMetadata(positions=S((t,), I32), slot_mapping=S((t,), I32), token_seq_ids=S((t,), I32),
+                           block_tables=S((seqs, pages), I32), seq_lens=S((seqs,), I32),
+                           logits_indices=S((seqs,), I32))
+    text = _lower_for_gpu(functools.partial(prefill_mgpu.ragged_paged_attention, scale=0.1),
+                          S((t, heads, head_dim), BF16), S((kv_heads, seqs * pages, page_size, head_dim), BF16),
+                          S((kv_heads, seqs * pages, page_size, head_dim), BF16), md)
+    assert "mosaic_gpu" in text
+
+
+def test_prefill_mosaic_gpu_refuses_what_it_does_not_take():
+    q, cache = jnp.zeros((8, 4, 128), BF16), jnp.zeros((4, 2, 16, 128), BF16)
+    assert prefill_mgpu.supports(q, cache)
+    assert not prefill_mgpu.supports(q, cache, sliding_window=64)
+    assert not prefill_mgpu.supports(q.astype(jnp.float32), cache.astype(jnp.float32))
+    assert not prefill_mgpu.supports(jnp.zeros((8, 4, 256), BF16), jnp.zeros((4, 2, 16, 256), BF16))
 
 
 @pytest.mark.parametrize("tokens, experts, top_k, hidden, inter", [(1, 128, 8, 2048, 768), (4096, 128, 8, 2048, 768),

@@ -1,0 +1,254 @@
+"""Ragged paged prefill attention as a warp-specialised Pallas Mosaic GPU kernel (Hopper: wgmma, TMA).
+
+Same semantics as ``reference.ragged_paged_attention`` for causal attention without sliding window,
+soft-cap or sinks (``supports`` says which calls it takes). The structure follows jax's
+``attention_mgpu`` (FlashAttention-3's): three warpgroups per program. Two compute warpgroups own
+64 query rows each and run the online softmax with both matmuls on the tensor cores (``wgmma``); the
+third only moves data, loading key/value blocks through TMA into a ring of shared-memory slots that
+the compute warpgroups release once read.
+
+What differs from ``attention_mgpu``:
+
+- **Ragged query blocks.** The step's tokens are cut into blocks of 128 consecutive tokens of one
+  sequence by ``prefill_pallas._query_blocks`` (the Triton kernel's schedule, longest blocks first):
+  a program takes one block and one query head. Its rows are one contiguous run of tokens and
+  positions, so the causal mask of row ``r`` is ``key <= first_pos + r``. A block's last rows may
+  belong to no token: their outputs are never stored (TMA stores of a power-of-two ladder of row
+  counts write exactly the real rows).
+- **Paged keys.** A key block of 128 keys is ``128 / page_size`` pages, each one TMA copy of a
+  ``[page_size, head_dim]`` page into its rows of the slot; the slot's barrier expects one arrival
+  per page. Pages larger than 128 keys are read as virtual pages of 128 (a free reshape).
+- **Key range.** Keys run to the block's last visible key (``kv_end``: causal and the sequence's
+  length); a compute warpgroup whose rows see fewer key blocks releases the remaining slots without
+  computing (the memory warpgroup always loads the block's whole range).
+- Logits are scaled by ``scale * log2(e)`` inside the softmax (``exp2``), the queries are not.
+
+Not the default path: the attention dispatcher still takes ``prefill_pallas``. This kernel lowers
+(``tests/test_kernel_lowering.py``) but has not yet run on a GPU; ``scripts/prefill_mgpu_check.py``
+is its GPU parity check and benchmark.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from jaxinfer.cache.metadata import AttentionMetadata
+from jaxinfer.kernels.attention.prefill_pallas import _query_blocks
+
+BLOCK_Q = 64  # query rows per compute warpgroup (one wgmma M tile)
+BLOCK_KV = 128  # keys per key block
+COMPUTE_WGS = 2
+_LOG2E = math.log2(math.e)
+
+
+def supports(q, k_cache, *, sliding_window=None, logit_softcap=None, sinks=None) -> bool:
+    """Whether this kernel takes the call (else the Triton kernel does)."""
+    head_dim = q.shape[-1]
+    page_size = k_cache.shape[2]
+    pages_fit = page_size % 8 == 0 and (BLOCK_KV % page_size == 0 or page_size % BLOCK_KV == 0)  # TMA row tiles of 8
+    return (sliding_window is None and logit_softcap is None and sinks is None and head_dim in (64, 128)
+            and jnp.dtype(q.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and pages_fit
+            and q.dtype == k_cache.dtype)
+
+
+def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale: float, group: int, page_size: int,
+            stages: int):
+    (q_smem2, o_smem2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free), schedule = scoped
+    head_dim = q_ref.shape[-1]
+    pages_per_block = BLOCK_KV // page_size
+    pages_per_seq = bt_ref.shape[1]
+    dtype = q_ref.dtype
+    block = lax.axis_index("blocks")
+    head = lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    seq, num_kb, kv_end = meta_ref[block, 0], meta_ref[block, 1], meta_ref[block, 2]
+    first_tok, first_pos, num_rows = meta_ref[block, 3], meta_ref[block, 4], meta_ref[block, 5]
+
+    def schedule_barrier():
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(schedule)
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        q_smem, o_smem = q_smem2.at[wg], o_smem2.at[wg]
+        row0 = wg * BLOCK_Q
+        rows = jnp.clip(num_rows - row0, 0, BLOCK_Q)  # this warpgroup's real rows
+        pos0 = first_pos + row0  # position of its first row
+        # Key blocks it computes: up to its last row's last visible key; the first `full` of them
+        # are visible to every one of its rows (no mask).
+        last_key = jnp.minimum(pos0 + jnp.maximum(rows, 1), kv_end)
+        steps = jnp.where(rows > 0, lax.div(last_key + BLOCK_KV - 1, BLOCK_KV), 0)
+        full = jnp.minimum(lax.div(jnp.minimum(pos0 + 1, kv_end), BLOCK_KV), steps)
+
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(first_tok + row0, BLOCK_Q), head], q_smem, q_ready.at[wg])
+        plgpu.barrier_wait(q_ready.at[wg])
+        m_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        l_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc = plgpu.layout_cast(jnp.full((BLOCK_Q, head_dim), 0, jnp.float32), plgpu.Layout.WGMMA)
+
+        @pl.when(num_kb > 0)
+        def _():
+            plgpu.barrier_wait(k_ready.at[0])
+
+        pl.when(wg == 1)(schedule_barrier)
+
+        def kv_step(step, carry, masked: bool):
+            acc, m_i, l_i = carry
+            slot = lax.rem(step, jnp.int32(stages))
+
+            def qk_scope(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                schedule_barrier()
+                return acc_ref[...]
+
+            qk = pl.run_scoped(qk_scope, plgpu.ACC((BLOCK_Q, BLOCK_KV), jnp.float32))
+            plgpu.barrier_arrive(k_free.at[slot])
+            if masked:  # causal (key <= the row's position) and the sequence's end (key < kv_end)
+                r = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, BLOCK_KV), 0, layout=plgpu.Layout.WGMMA)
+                c = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
+                key = c + step * BLOCK_KV
+                qk = jnp.where((key <= r + pos0) & (key < kv_end), qk, -jnp.inf)
+            m_ij = jnp.maximum(m_i, qk.max(axis=1) * (scale * _LOG2E))
+            alpha = jnp.exp2(m_i - m_ij)
+            p = jnp.exp2(qk * (scale * _LOG2E) - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
+            acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l_i = l_i * alpha + p.sum(axis=1)
+            p16 = p.astype(dtype)
+            acc, l_i, m_ij, p16 = lax.optimization_barrier((acc, l_i, m_ij, p16))
+            plgpu.barrier_arrive(schedule)  # done with the softmax
+            plgpu.barrier_wait(v_ready.at[slot])
+            plgpu.barrier_wait(schedule)  # the tensor cores are free
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                next_step = step + 1
+
+                @pl.when(next_step < steps)
+                def _():
+                    plgpu.barrier_wait(k_ready.at[lax.rem(next_step, jnp.int32(stages))])
+
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_ij, l_i
+
+        carry = lax.fori_loop(0, full, functools.partial(kv_step, masked=False), (acc, m_i, l_i))
+        acc, m_i, l_i = lax.fori_loop(full, steps, functools.partial(kv_step, masked=True), carry)
+
+        @pl.loop(steps, num_kb)
+        def _release(step):  # key blocks only the other warpgroup's rows see: free their slots
+            slot = lax.rem(step, jnp.int32(stages))
+            plgpu.barrier_arrive(k_free.at[slot])
+            plgpu.barrier_arrive(v_free.at[slot])
+            schedule_barrier()
+            schedule_barrier()
+
+        pl.when(wg == 0)(schedule_barrier)
+        acc /= lax.broadcast_in_dim(l_i, (BLOCK_Q, head_dim), [0])
+        o_smem[...] = acc.astype(dtype)
+        plgpu.commit_smem()
+        # Only the real rows, as a ladder of power-of-two row counts (TMA shapes are static): the
+        # chunk of n rows exists when bit n of `rows` is set, and starts after the larger chunks.
+        n = BLOCK_Q
+        while n:
+            start = rows & ~(2 * n - 1)
+
+            @pl.when((rows & n) != 0)
+            def _(start=start, n=n):
+                plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(start, n)], out_ref.at[pl.ds(first_tok + row0 + start, n), head])
+
+            n //= 2
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+        kv_head = lax.div(head, jnp.int32(group))
+
+        def load(step, slot):
+            for j in range(pages_per_block):
+                index = jnp.minimum(step * pages_per_block + j, pages_per_seq - 1)
+                page = jnp.maximum(bt_ref[seq, index], 0)
+                rows = pl.ds(j * page_size, page_size)
+                plgpu.copy_gmem_to_smem(k_ref.at[kv_head, page], k_smem.at[slot, rows], k_ready.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[kv_head, page], v_smem.at[slot, rows], v_ready.at[slot])
+
+        @pl.loop(0, jnp.minimum(num_kb, stages))
+        def _prologue(step):
+            load(step, step)
+
+        @pl.loop(stages, jnp.maximum(num_kb, stages))
+        def _steady(step):
+            slot = lax.rem(step, jnp.int32(stages))
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+            load(step, slot)
+
+
+def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale: float, stages: int = 2):
+    """``reference.ragged_paged_attention`` for the calls ``supports`` accepts (causal only)."""
+    t, num_heads, head_dim = q.shape
+    num_kv_heads, num_pages, page_size, _ = k_cache.shape
+    if not supports(q, k_cache):
+        raise ValueError(f"the Mosaic GPU prefill kernel does not take q {q.dtype}{q.shape} over pages of "
+                         f"{page_size} (bf16/f16, head_dim 64 or 128, page_size a multiple of 8 dividing 128 or a multiple of 128)")
+    group = num_heads // num_kv_heads
+    num_seqs, pages_per_seq = md.block_tables.shape
+    block_tables = md.block_tables.astype(jnp.int32)
+    split = max(1, page_size // BLOCK_KV)
+    if split > 1:  # pages of more than one key block: virtual pages of BLOCK_KV rows (a free reshape)
+        page_size, num_pages, pages_per_seq = BLOCK_KV, num_pages * split, pages_per_seq * split
+        k_cache = k_cache.reshape(num_kv_heads, num_pages, page_size, head_dim)
+        v_cache = v_cache.reshape(num_kv_heads, num_pages, page_size, head_dim)
+        block_tables = (block_tables[:, :, None] * split + jnp.arange(split, dtype=jnp.int32)).reshape(
+            num_seqs, pages_per_seq)
+    rows_per_block = COMPUTE_WGS * BLOCK_Q
+    num_blocks = max(1, pl.cdiv(t, rows_per_block) + num_seqs)
+    meta8, row_pos, row_tok, row_valid = _query_blocks(
+        md, block_q=rows_per_block, num_blocks=num_blocks, page_size=page_size, block_k=BLOCK_KV,
+        pages_per_seq=pages_per_seq, sliding_window=None)
+    num_rows = row_valid.sum(axis=1).astype(jnp.int32)
+    zeros = jnp.zeros_like(num_rows)
+    meta = jnp.stack([meta8[:, 0], meta8[:, 4], meta8[:, 5], row_tok[:, 0], row_pos[:, 0], num_rows, zeros, zeros],
+                     axis=1)
+
+    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    pages_per_block = BLOCK_KV // page_size
+
+    def entry(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref):
+        pl.run_scoped(
+            lambda *scoped: _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, scale=float(scale),
+                                    group=group, page_size=page_size, stages=stages),
+            (plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, head_dim), q.dtype, transforms=transforms),
+             plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, head_dim), q.dtype),
+             plgpu.SMEM((stages, BLOCK_KV, head_dim), q.dtype, transforms=transforms),
+             plgpu.SMEM((stages, BLOCK_KV, head_dim), q.dtype, transforms=transforms)),
+            (plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
+             plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
+             plgpu.Barrier(num_barriers=COMPUTE_WGS)),
+            (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2,
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS),
+            collective_axes="wg",
+        )
+
+    out = plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid=(num_heads, num_blocks),
+        grid_names=("heads", "blocks"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(meta, block_tables, q, k_cache, v_cache)
+    # Tokens of no block (padding) were never written: zeros, as the reference gives.
+    return jnp.where((md.slot_mapping >= 0)[:, None, None], out, jnp.zeros((), q.dtype))
+
+
+__all__ = ["ragged_paged_attention", "supports"]

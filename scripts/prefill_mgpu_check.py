@@ -1,0 +1,96 @@
+"""GPU check of the Mosaic GPU prefill kernel: parity against the reference, then causal prefill
+TFLOP/s next to the Triton kernel (the default) and cuDNN, all in the same run.
+
+    timeout 300 env PYTHONPATH=. python3 scripts/prefill_mgpu_check.py   # writes prefill_mgpu_check.json
+
+Each case runs on its own, its error recorded, so one failing shape does not hide the others. A
+barrier mistake in a warp-specialised kernel hangs rather than fails: keep the ``timeout``.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from benchlib import device_time, environment, matmul_rate, write_json  # noqa: E402
+from gpu_check import packed_sequences  # noqa: E402
+
+from jaxinfer.kernels.attention import prefill_mgpu, prefill_pallas, reference  # noqa: E402
+
+# (sequences, tokens each, heads, kv heads, head_dim, page_size, new tokens per sequence or None for all)
+PARITY_CASES = (
+    (1, 256, 4, 4, 128, 16, None),     # one sequence, whole key blocks
+    (2, 700 // 16 * 16, 8, 2, 128, 16, None),  # GQA, a ragged last query block
+    (3, 320, 4, 1, 64, 32, None),      # MQA, head_dim 64
+    (2, 512, 8, 8, 128, 16, 100),      # chunked prefill: 100 new tokens over a cached prefix
+    (2, 384, 4, 4, 128, 256, None),    # pages larger than a key block
+)
+
+
+def parity():
+    rows = []
+    for batch, seq_len, heads, kv_heads, head_dim, page_size, new in PARITY_CASES:
+        seq_len = seq_len // page_size * page_size
+        q, k, v, md = packed_sequences(batch, seq_len, heads, kv_heads, head_dim, page_size, jnp.bfloat16)
+        if new is not None:
+            keep = np.concatenate([np.arange(i * seq_len + seq_len - new, (i + 1) * seq_len) for i in range(batch)])
+            md = md.replace(positions=md.positions[keep], slot_mapping=md.slot_mapping[keep],
+                            token_seq_ids=md.token_seq_ids[keep])
+            q = q[keep]
+        row = {"batch": batch, "seq_len": seq_len, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+               "page_size": page_size, "new_tokens": new}
+        scale = head_dim**-0.5
+        f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+        try:
+            got = jax.block_until_ready(prefill_mgpu.ragged_paged_attention(q, k, v, md, scale=scale))
+        except Exception as e:
+            row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:400]}")
+        else:
+            ref = reference.ragged_paged_attention(f32(q), f32(k), f32(v), md, scale=scale)
+            err = float(jnp.max(jnp.abs(f32(got) - ref)))
+            row.update(max_abs_err=err, ok=bool(err < 2e-2))
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def benchmarks(flops_rate):
+    rows = []
+    for batch, seq_len, heads in ((2, 2048, 16), (1, 8192, 32)):
+        flops = 4 * batch * heads * seq_len * seq_len * 128 / 2  # causal: half the square
+        q, k, v, md = packed_sequences(batch, seq_len, heads, heads, 128, 16, jnp.bfloat16)
+        row = {"batch": batch, "seq_len": seq_len, "heads": heads, "matmul_peak_tflops": flops_rate / 1e12}
+        for stages in (2, 3):
+            try:
+                seconds = device_time(functools.partial(prefill_mgpu.ragged_paged_attention, scale=128**-0.5,
+                                                        stages=stages), q, k, v, md, iters=10)
+                row[f"mgpu_stages{stages}_tflops"] = flops / seconds / 1e12
+            except Exception as e:
+                row[f"mgpu_stages{stages}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        triton = device_time(functools.partial(prefill_pallas.ragged_paged_attention, scale=128**-0.5), q, k, v, md,
+                             iters=10)
+        dense_q = jax.random.normal(jax.random.PRNGKey(1), (batch, seq_len, heads, 128), jnp.bfloat16)
+        cudnn = device_time(functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn"),
+                            dense_q, dense_q, dense_q, iters=10)
+        row.update(triton_tflops=flops / triton / 1e12, cudnn_tflops=flops / cudnn / 1e12)
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def main():
+    result = {"environment": environment(), "bf16_matmul_TFLOPs": matmul_rate() / 1e12}
+    result["parity"] = parity()
+    write_json("prefill_mgpu_check.json", result)
+    if all(r["ok"] for r in result["parity"]):
+        result["benchmarks"] = benchmarks(result["bf16_matmul_TFLOPs"] * 1e12)
+    print("wrote", write_json("prefill_mgpu_check.json", result))
+
+
+if __name__ == "__main__":
+    main()
