@@ -4,11 +4,14 @@ TFLOP/s next to the Triton kernel (the default) and cuDNN, all in the same run.
     timeout 300 env PYTHONPATH=. python3 scripts/prefill_mgpu_check.py   # writes prefill_mgpu_check.json
 
 Each case runs on its own, its error recorded, so one failing shape does not hide the others. A
-barrier mistake in a warp-specialised kernel hangs rather than fails: keep the ``timeout``.
+barrier mistake in a warp-specialised kernel hangs rather than fails: keep the ``timeout``, or run
+the cases one process each (``--cases 0``, ``--cases 1``, ... then ``--cases`` alone for the
+benchmark only), so a hang costs one case.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
 
@@ -32,9 +35,10 @@ PARITY_CASES = (
 )
 
 
-def parity():
+def parity(cases):
     rows = []
-    for batch, seq_len, heads, kv_heads, head_dim, page_size, new in PARITY_CASES:
+    for case in cases:
+        batch, seq_len, heads, kv_heads, head_dim, page_size, new = PARITY_CASES[case]
         seq_len = seq_len // page_size * page_size
         q, k, v, md = packed_sequences(batch, seq_len, heads, kv_heads, head_dim, page_size, jnp.bfloat16)
         if new is not None:
@@ -42,7 +46,7 @@ def parity():
             md = md.replace(positions=md.positions[keep], slot_mapping=md.slot_mapping[keep],
                             token_seq_ids=md.token_seq_ids[keep])
             q = q[keep]
-        row = {"batch": batch, "seq_len": seq_len, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+        row = {"case": case, "batch": batch, "seq_len": seq_len, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
                "page_size": page_size, "new_tokens": new}
         scale = head_dim**-0.5
         f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
@@ -64,7 +68,7 @@ def benchmarks(flops_rate):
     for batch, seq_len, heads in ((2, 2048, 16), (1, 8192, 32)):
         flops = 4 * batch * heads * seq_len * seq_len * 128 / 2  # causal: half the square
         q, k, v, md = packed_sequences(batch, seq_len, heads, heads, 128, 16, jnp.bfloat16)
-        row = {"batch": batch, "seq_len": seq_len, "heads": heads, "matmul_peak_tflops": flops_rate / 1e12}
+        row = {"case": case, "batch": batch, "seq_len": seq_len, "heads": heads, "matmul_peak_tflops": flops_rate / 1e12}
         for stages in (2, 3):
             try:
                 seconds = device_time(functools.partial(prefill_mgpu.ragged_paged_attention, scale=128**-0.5,
@@ -84,12 +88,20 @@ def benchmarks(flops_rate):
 
 
 def main():
-    result = {"environment": environment(), "bf16_matmul_TFLOPs": matmul_rate() / 1e12}
-    result["parity"] = parity()
-    write_json("prefill_mgpu_check.json", result)
-    if all(r["ok"] for r in result["parity"]):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", type=int, nargs="*", default=None,
+                        help="parity cases to run (indices into PARITY_CASES); given, the benchmark runs only "
+                             "when no case is named")
+    args = parser.parse_args()
+    cases = range(len(PARITY_CASES)) if args.cases is None else args.cases
+    name = "prefill_mgpu_check.json" if args.cases is None else f"prefill_mgpu_check_{'_'.join(map(str, cases)) or 'bench'}.json"
+    result = {"environment": environment()}
+    result["parity"] = parity(cases)
+    write_json(name, result)
+    if not (args.cases and len(args.cases)):
+        result["bf16_matmul_TFLOPs"] = matmul_rate() / 1e12
         result["benchmarks"] = benchmarks(result["bf16_matmul_TFLOPs"] * 1e12)
-    print("wrote", write_json("prefill_mgpu_check.json", result))
+    print("wrote", write_json(name, result))
 
 
 if __name__ == "__main__":
