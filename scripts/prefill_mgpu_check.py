@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,9 @@ PARITY_CASES = (
     (2, 384, 4, 4, 128, 256, None),    # pages larger than a key block
 )
 
+# (key/value pipeline stages, query tiles copied to shared memory) of the kernel to check
+VARIANTS = ((2, False), (3, False), (2, True))
+
 
 def parity(cases):
     rows = []
@@ -50,16 +54,20 @@ def parity(cases):
                "page_size": page_size, "new_tokens": new}
         scale = head_dim**-0.5
         f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-        try:
-            got = jax.block_until_ready(prefill_mgpu.ragged_paged_attention(q, k, v, md, scale=scale))
-        except Exception as e:
-            row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:400]}")
-        else:
-            ref = reference.ragged_paged_attention(f32(q), f32(k), f32(v), md, scale=scale)
-            err = float(jnp.max(jnp.abs(f32(got) - ref)))
-            row.update(max_abs_err=err, ok=bool(err < 2e-2))
-        rows.append(row)
-        print(row, flush=True)
+        ref = reference.ragged_paged_attention(f32(q), f32(k), f32(v), md, scale=scale)
+        for stages, q_in_smem in VARIANTS:
+            variant = dict(row, stages=stages, q_in_smem=q_in_smem)
+            try:
+                got = jax.block_until_ready(prefill_mgpu.ragged_paged_attention(
+                    q, k, v, md, scale=scale, stages=stages, q_in_smem=q_in_smem))
+            except Exception as e:
+                variant.update(ok=False, error=f"{type(e).__name__}: {str(e)[:400]}",
+                               traceback=traceback.format_exc()[-3000:])
+            else:
+                err = float(jnp.max(jnp.abs(f32(got) - ref)))
+                variant.update(max_abs_err=err, ok=bool(err < 2e-2))
+            rows.append(variant)
+            print({key: value for key, value in variant.items() if key != "traceback"}, flush=True)
     return rows
 
 
@@ -68,14 +76,15 @@ def benchmarks(flops_rate):
     for batch, seq_len, heads in ((2, 2048, 16), (1, 8192, 32)):
         flops = 4 * batch * heads * seq_len * seq_len * 128 / 2  # causal: half the square
         q, k, v, md = packed_sequences(batch, seq_len, heads, heads, 128, 16, jnp.bfloat16)
-        row = {"case": case, "batch": batch, "seq_len": seq_len, "heads": heads, "matmul_peak_tflops": flops_rate / 1e12}
-        for stages in (2, 3):
+        row = {"batch": batch, "seq_len": seq_len, "heads": heads, "matmul_peak_tflops": flops_rate / 1e12}
+        for stages, q_in_smem in VARIANTS:
+            name = f"mgpu_stages{stages}_q_{'smem' if q_in_smem else 'registers'}"
             try:
                 seconds = device_time(functools.partial(prefill_mgpu.ragged_paged_attention, scale=128**-0.5,
-                                                        stages=stages), q, k, v, md, iters=10)
-                row[f"mgpu_stages{stages}_tflops"] = flops / seconds / 1e12
+                                                        stages=stages, q_in_smem=q_in_smem), q, k, v, md, iters=10)
+                row[f"{name}_tflops"] = flops / seconds / 1e12
             except Exception as e:
-                row[f"mgpu_stages{stages}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         triton = device_time(functools.partial(prefill_pallas.ragged_paged_attention, scale=128**-0.5), q, k, v, md,
                              iters=10)
         dense_q = jax.random.normal(jax.random.PRNGKey(1), (batch, seq_len, heads, 128), jnp.bfloat16)

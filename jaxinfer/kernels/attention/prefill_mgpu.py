@@ -59,8 +59,8 @@ def supports(q, k_cache, *, sliding_window=None, logit_softcap=None, sinks=None)
 
 
 def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale: float, group: int, page_size: int,
-            stages: int):
-    (q_smem2, o_smem2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free), schedule = scoped
+            stages: int, q_in_smem: bool):
+    (qo_smem2, *qt_smem2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free), schedule = scoped
     head_dim = q_ref.shape[-1]
     pages_per_block = BLOCK_KV // page_size
     pages_per_seq = bt_ref.shape[1]
@@ -78,7 +78,7 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale: fl
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
-        q_smem, o_smem = q_smem2.at[wg], o_smem2.at[wg]
+        qo_smem = qo_smem2.at[wg]  # the query rows as loaded, later the output rows
         row0 = wg * BLOCK_Q
         rows = jnp.clip(num_rows - row0, 0, BLOCK_Q)  # this warpgroup's real rows
         pos0 = first_pos + row0  # position of its first row
@@ -88,8 +88,17 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale: fl
         steps = jnp.where(rows > 0, lax.div(last_key + BLOCK_KV - 1, BLOCK_KV), 0)
         full = jnp.minimum(lax.div(jnp.minimum(pos0 + 1, kv_end), BLOCK_KV), steps)
 
-        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(first_tok + row0, BLOCK_Q), head], q_smem, q_ready.at[wg])
+        # A block starts at any token, so its query rows cannot be TMA-loaded into a tiled buffer
+        # (tiles of 8 rows need an aligned start): they land untiled, and the QK matmul reads them
+        # from registers or from a tiled copy made once.
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(first_tok + row0, BLOCK_Q), head], qo_smem, q_ready.at[wg])
         plgpu.barrier_wait(q_ready.at[wg])
+        q_operand = plgpu.load(qo_smem, (), layout=plgpu.Layout.WGMMA, optimized=False)
+        if q_in_smem:
+            qt_smem = qt_smem2[0].at[wg]
+            qt_smem[...] = q_operand
+            plgpu.commit_smem()
+            q_operand = qt_smem
         m_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         l_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         acc = plgpu.layout_cast(jnp.full((BLOCK_Q, head_dim), 0, jnp.float32), plgpu.Layout.WGMMA)
@@ -105,7 +114,7 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale: fl
             slot = lax.rem(step, jnp.int32(stages))
 
             def qk_scope(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                plgpu.wgmma(acc_ref, q_operand, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
                 schedule_barrier()
                 return acc_ref[...]
 
@@ -152,7 +161,7 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale: fl
 
         pl.when(wg == 0)(schedule_barrier)
         acc /= lax.broadcast_in_dim(l_i, (BLOCK_Q, head_dim), [0])
-        o_smem[...] = acc.astype(dtype)
+        qo_smem[...] = acc.astype(dtype)
         plgpu.commit_smem()
         # Only the real rows, as a ladder of power-of-two row counts (TMA shapes are static): the
         # chunk of n rows exists when bit n of `rows` is set, and starts after the larger chunks.
@@ -162,7 +171,7 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale: fl
 
             @pl.when((rows & n) != 0)
             def _(start=start, n=n):
-                plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(start, n)], out_ref.at[pl.ds(first_tok + row0 + start, n), head])
+                plgpu.copy_smem_to_gmem(qo_smem.at[pl.ds(start, n)], out_ref.at[pl.ds(first_tok + row0 + start, n), head])
 
             n //= 2
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -192,7 +201,8 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale: fl
             load(step, slot)
 
 
-def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale: float, stages: int = 2):
+def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale: float, stages: int = 2,
+                           q_in_smem: bool = False):
     """``reference.ragged_paged_attention`` for the calls ``supports`` accepts (causal only)."""
     t, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_cache.shape
@@ -225,9 +235,9 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale:
     def entry(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref):
         pl.run_scoped(
             lambda *scoped: _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, scale=float(scale),
-                                    group=group, page_size=page_size, stages=stages),
-            (plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, head_dim), q.dtype, transforms=transforms),
-             plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, head_dim), q.dtype),
+                                    group=group, page_size=page_size, stages=stages, q_in_smem=q_in_smem),
+            (plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, head_dim), q.dtype),
+             *([plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, head_dim), q.dtype, transforms=transforms)] if q_in_smem else []),
              plgpu.SMEM((stages, BLOCK_KV, head_dim), q.dtype, transforms=transforms),
              plgpu.SMEM((stages, BLOCK_KV, head_dim), q.dtype, transforms=transforms)),
             (plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
