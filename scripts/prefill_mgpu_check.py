@@ -21,28 +21,33 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from benchlib import device_time, environment, matmul_rate, write_json  # noqa: E402
+from benchlib import device_time, environment, kernel_breakdown, matmul_rate, write_json  # noqa: E402
 from gpu_check import packed_sequences  # noqa: E402
 
 from jaxinfer.kernels.attention import prefill_mgpu, prefill_pallas, reference  # noqa: E402
 
-# (sequences, tokens each, heads, kv heads, head_dim, page_size, new tokens per sequence or None for all)
+# (sequences, tokens each, heads, kv heads, head_dim, page_size, new tokens per sequence or None for all,
+#  padding tokens after them)
 PARITY_CASES = (
-    (1, 256, 4, 4, 128, 16, None),     # one sequence, whole key blocks
-    (2, 700 // 16 * 16, 8, 2, 128, 16, None),  # GQA, a ragged last query block
-    (3, 320, 4, 1, 64, 32, None),      # MQA, head_dim 64
-    (2, 512, 8, 8, 128, 16, 100),      # chunked prefill: 100 new tokens over a cached prefix
-    (2, 384, 4, 4, 128, 256, None),    # pages larger than a key block
+    (1, 256, 4, 4, 128, 16, None, 0),     # one sequence, whole key blocks
+    (2, 700 // 16 * 16, 8, 2, 128, 16, None, 0),  # GQA, a ragged last query block
+    (3, 320, 4, 1, 64, 32, None, 37),     # MQA, head_dim 64, padding tokens
+    (2, 512, 8, 8, 128, 16, 100, 0),      # chunked prefill: 100 new tokens over a cached prefix
+    (2, 384, 4, 4, 128, 256, None, 200),  # pages larger than a key block, more padding than a block
 )
 
-# (key/value pipeline stages, query tiles copied to shared memory) of the kernel to check
-VARIANTS = ((2, False), (3, False), (2, True))
+# (key/value pipeline stages, query tiles copied to shared memory, persistent programs)
+VARIANTS = ((3, False, False), (3, False, True), (2, False, True))
+
+
+def _name(stages, q_in_smem, persistent):
+    return f"mgpu_stages{stages}_q_{'smem' if q_in_smem else 'registers'}{'_persistent' if persistent else ''}"
 
 
 def parity(cases):
     rows = []
     for case in cases:
-        batch, seq_len, heads, kv_heads, head_dim, page_size, new = PARITY_CASES[case]
+        batch, seq_len, heads, kv_heads, head_dim, page_size, new, pad = PARITY_CASES[case]
         seq_len = seq_len // page_size * page_size
         q, k, v, md = packed_sequences(batch, seq_len, heads, kv_heads, head_dim, page_size, jnp.bfloat16)
         if new is not None:
@@ -50,21 +55,27 @@ def parity(cases):
             md = md.replace(positions=md.positions[keep], slot_mapping=md.slot_mapping[keep],
                             token_seq_ids=md.token_seq_ids[keep])
             q = q[keep]
+        if pad:  # padding tokens (slot < 0) after the real ones, as the engine packs a step
+            md = md.replace(positions=jnp.pad(md.positions, (0, pad)),
+                            slot_mapping=jnp.pad(md.slot_mapping, (0, pad), constant_values=-1),
+                            token_seq_ids=jnp.pad(md.token_seq_ids, (0, pad)))
+            q = jnp.pad(q, ((0, pad), (0, 0), (0, 0)), constant_values=1)
         row = {"case": case, "batch": batch, "seq_len": seq_len, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
-               "page_size": page_size, "new_tokens": new}
+               "page_size": page_size, "new_tokens": new, "padding": pad}
         scale = head_dim**-0.5
         f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
         ref = reference.ragged_paged_attention(f32(q), f32(k), f32(v), md, scale=scale)
-        for stages, q_in_smem in VARIANTS:
-            variant = dict(row, stages=stages, q_in_smem=q_in_smem)
+        ref = jnp.where((md.slot_mapping >= 0)[:, None, None], ref, 0.0)  # the kernels give padding zeros
+        for stages, q_in_smem, persistent in VARIANTS:
+            variant = dict(row, variant=_name(stages, q_in_smem, persistent))
             try:
                 got = jax.block_until_ready(prefill_mgpu.ragged_paged_attention(
-                    q, k, v, md, scale=scale, stages=stages, q_in_smem=q_in_smem))
+                    q, k, v, md, scale=scale, stages=stages, q_in_smem=q_in_smem, persistent=persistent))
             except Exception as e:
                 variant.update(ok=False, error=f"{type(e).__name__}: {str(e)[:400]}",
                                traceback=traceback.format_exc()[-3000:])
             else:
-                err = float(jnp.max(jnp.abs(f32(got) - ref)))
+                err = float(jnp.max(jnp.abs(f32(got) - ref)))  # NaN (never < tolerance) fails
                 variant.update(max_abs_err=err, ok=bool(err < 2e-2))
             rows.append(variant)
             print({key: value for key, value in variant.items() if key != "traceback"}, flush=True)
@@ -77,11 +88,12 @@ def benchmarks(flops_rate):
         flops = 4 * batch * heads * seq_len * seq_len * 128 / 2  # causal: half the square
         q, k, v, md = packed_sequences(batch, seq_len, heads, heads, 128, 16, jnp.bfloat16)
         row = {"batch": batch, "seq_len": seq_len, "heads": heads, "matmul_peak_tflops": flops_rate / 1e12}
-        for stages, q_in_smem in VARIANTS:
-            name = f"mgpu_stages{stages}_q_{'smem' if q_in_smem else 'registers'}"
+        for stages, q_in_smem, persistent in VARIANTS:
+            name = _name(stages, q_in_smem, persistent)
             try:
                 seconds = device_time(functools.partial(prefill_mgpu.ragged_paged_attention, scale=128**-0.5,
-                                                        stages=stages, q_in_smem=q_in_smem), q, k, v, md, iters=10)
+                                                        stages=stages, q_in_smem=q_in_smem, persistent=persistent),
+                                      q, k, v, md, iters=10)
                 row[f"{name}_tflops"] = flops / seconds / 1e12
             except Exception as e:
                 row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -91,6 +103,15 @@ def benchmarks(flops_rate):
         cudnn = device_time(functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn"),
                             dense_q, dense_q, dense_q, iters=10)
         row.update(triton_tflops=flops / triton / 1e12, cudnn_tflops=flops / cudnn / 1e12)
+        # Per-kernel times: the attention kernel alone, apart from the block metadata (computed once
+        # per step in a model, shared by its layers) and the timing loop.
+        best = max(VARIANTS, key=lambda v: row.get(f"{_name(*v)}_tflops", 0))
+        row["mgpu_breakdown_variant"] = _name(*best)
+        row["mgpu_breakdown_us"] = kernel_breakdown(functools.partial(
+            prefill_mgpu.ragged_paged_attention, scale=128**-0.5, stages=best[0], q_in_smem=best[1],
+            persistent=best[2]), q, k, v, md)
+        row["cudnn_breakdown_us"] = kernel_breakdown(functools.partial(
+            jax.nn.dot_product_attention, is_causal=True, implementation="cudnn"), dense_q, dense_q, dense_q)
         rows.append(row)
         print(row, flush=True)
     return rows

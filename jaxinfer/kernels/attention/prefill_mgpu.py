@@ -59,17 +59,24 @@ def supports(q, k_cache, *, sliding_window=None, logit_softcap=None, sinks=None)
 
 
 def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale: float, group: int, page_size: int,
-            stages: int, q_in_smem: bool):
+            stages: int, q_in_smem: bool, num_programs: int):
     (qo_smem2, *qt_smem2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free), schedule = scoped
     head_dim = q_ref.shape[-1]
+    num_heads = q_ref.shape[1]
     pages_per_block = BLOCK_KV // page_size
     pages_per_seq = bt_ref.shape[1]
     dtype = q_ref.dtype
-    block = lax.axis_index("blocks")
-    head = lax.axis_index("heads")
+    program = lax.axis_index("programs")
     wg = lax.axis_index("wg")
-    seq, num_kb, kv_end = meta_ref[block, 0], meta_ref[block, 1], meta_ref[block, 2]
-    first_tok, first_pos, num_rows = meta_ref[block, 3], meta_ref[block, 4], meta_ref[block, 5]
+    # Work items are (query block, head) pairs, heads fastest (a KV head's query heads run side by
+    # side and share its pages in L2) and the longest blocks first; program p takes items p, p + P, ...
+    num_items = meta_ref.shape[0] * num_heads
+    my_items = lax.div(num_items - program + num_programs - 1, jnp.int32(num_programs))
+
+    def item(i):
+        w = program + i * num_programs
+        block, head = lax.div(w, jnp.int32(num_heads)), lax.rem(w, jnp.int32(num_heads))
+        return block, head, meta_ref[block, 1]  # ..., its number of key blocks
 
     def schedule_barrier():
         plgpu.barrier_arrive(schedule)
@@ -79,130 +86,152 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale: fl
     def _compute():
         plgpu.set_max_registers(232, action="increase")
         qo_smem = qo_smem2.at[wg]  # the query rows as loaded, later the output rows
-        row0 = wg * BLOCK_Q
-        rows = jnp.clip(num_rows - row0, 0, BLOCK_Q)  # this warpgroup's real rows
-        pos0 = first_pos + row0  # position of its first row
-        # Key blocks it computes: up to its last row's last visible key; the first `full` of them
-        # are visible to every one of its rows (no mask).
-        last_key = jnp.minimum(pos0 + jnp.maximum(rows, 1), kv_end)
-        steps = jnp.where(rows > 0, lax.div(last_key + BLOCK_KV - 1, BLOCK_KV), 0)
-        full = jnp.minimum(lax.div(jnp.minimum(pos0 + 1, kv_end), BLOCK_KV), steps)
 
-        # A block starts at any token, so its query rows cannot be TMA-loaded into a tiled buffer
-        # (tiles of 8 rows need an aligned start): they land untiled, and the QK matmul reads them
-        # from registers or from a tiled copy made once.
-        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(first_tok + row0, BLOCK_Q), head], qo_smem, q_ready.at[wg])
-        plgpu.barrier_wait(q_ready.at[wg])
-        q_operand = plgpu.load(qo_smem, (), layout=plgpu.Layout.WGMMA, optimized=False)
-        if q_in_smem:
-            qt_smem = qt_smem2[0].at[wg]
-            qt_smem[...] = q_operand
-            plgpu.commit_smem()
-            q_operand = qt_smem
-        m_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        l_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        acc = plgpu.layout_cast(jnp.full((BLOCK_Q, head_dim), 0, jnp.float32), plgpu.Layout.WGMMA)
+        def compute_item(i, first_step):  # first_step: key blocks loaded before this item (the ring's position)
+            block, head, num_kb = item(i)
+            kv_end, first_tok, first_pos, num_rows = (meta_ref[block, j] for j in (2, 3, 4, 5))
+            row0 = wg * BLOCK_Q
+            rows = jnp.clip(num_rows - row0, 0, BLOCK_Q)  # this warpgroup's real rows
+            pos0 = first_pos + row0  # position of its first row
+            # Key blocks it computes: up to its last row's last visible key; the first `full` of them
+            # are visible to every one of its rows (no mask).
+            last_key = jnp.minimum(pos0 + jnp.maximum(rows, 1), kv_end)
+            steps = jnp.where(rows > 0, lax.div(jnp.maximum(last_key, 0) + BLOCK_KV - 1, BLOCK_KV), 0)
+            full = jnp.clip(lax.div(jnp.minimum(pos0 + 1, kv_end), BLOCK_KV), 0, steps)
 
-        @pl.when(num_kb > 0)
-        def _():
-            plgpu.barrier_wait(k_ready.at[0])
+            def slot_of(step):
+                return lax.rem(first_step + step, jnp.int32(stages))
 
-        pl.when(wg == 1)(schedule_barrier)
+            # A block starts at any token, so its query rows cannot be TMA-loaded into a tiled buffer
+            # (tiles of 8 rows need an aligned start): they land untiled, and the QK matmul reads them
+            # from registers or from a tiled copy made once.
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(first_tok + row0, BLOCK_Q), head], qo_smem, q_ready.at[wg])
+            plgpu.barrier_wait(q_ready.at[wg])
+            q_operand = plgpu.load(qo_smem, (), layout=plgpu.Layout.WGMMA, optimized=False)
+            if q_in_smem:
+                qt_smem = qt_smem2[0].at[wg]
+                qt_smem[...] = q_operand
+                plgpu.commit_smem()
+                q_operand = qt_smem
+            m_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.full((BLOCK_Q, head_dim), 0, jnp.float32), plgpu.Layout.WGMMA)
 
-        def kv_step(step, carry, masked: bool):
-            acc, m_i, l_i = carry
-            slot = lax.rem(step, jnp.int32(stages))
+            @pl.when(steps > 0)
+            def _():
+                plgpu.barrier_wait(k_ready.at[slot_of(0)])
 
-            def qk_scope(acc_ref):
-                plgpu.wgmma(acc_ref, q_operand, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+            pl.when(wg == 1)(schedule_barrier)  # the two warpgroups take the tensor cores in turn
+
+            def kv_step(step, carry, masked: bool):
+                acc, m_i, l_i = carry
+                slot = slot_of(step)
+
+                def qk_scope(acc_ref):
+                    plgpu.wgmma(acc_ref, q_operand, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    schedule_barrier()
+                    return acc_ref[...]
+
+                qk = pl.run_scoped(qk_scope, plgpu.ACC((BLOCK_Q, BLOCK_KV), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                if masked:  # causal (key <= the row's position) and the sequence's end (key < kv_end)
+                    r = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, BLOCK_KV), 0, layout=plgpu.Layout.WGMMA)
+                    c = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
+                    key = c + step * BLOCK_KV
+                    qk = jnp.where((key <= r + pos0) & (key < kv_end), qk, -jnp.inf)
+                m_ij = jnp.maximum(m_i, qk.max(axis=1) * (scale * _LOG2E))
+                alpha = jnp.exp2(m_i - m_ij)
+                p = jnp.exp2(qk * (scale * _LOG2E) - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
+                acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l_i = l_i * alpha + p.sum(axis=1)
+                p16 = p.astype(dtype)
+                acc, l_i, m_ij, p16 = lax.optimization_barrier((acc, l_i, m_ij, p16))
+                plgpu.barrier_arrive(schedule)  # done with the softmax
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_wait(schedule)  # the tensor cores are free
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+                    @pl.when(step + 1 < steps)
+                    def _():
+                        plgpu.barrier_wait(k_ready.at[slot_of(step + 1)])
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_ij, l_i
+
+            carry = lax.fori_loop(0, full, functools.partial(kv_step, masked=False), (acc, m_i, l_i))
+            acc, m_i, l_i = lax.fori_loop(full, steps, functools.partial(kv_step, masked=True), carry)
+
+            @pl.loop(steps, num_kb)
+            def _release(step):  # key blocks only the other warpgroup's rows see
+                # Wait for them all the same: a barrier's phase is tracked by its waits, and the ring
+                # goes on into the next item.
+                slot = slot_of(step)
+                plgpu.barrier_wait(k_ready.at[slot])
+                plgpu.barrier_arrive(k_free.at[slot])
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_arrive(v_free.at[slot])
                 schedule_barrier()
-                return acc_ref[...]
+                schedule_barrier()
 
-            qk = pl.run_scoped(qk_scope, plgpu.ACC((BLOCK_Q, BLOCK_KV), jnp.float32))
-            plgpu.barrier_arrive(k_free.at[slot])
-            if masked:  # causal (key <= the row's position) and the sequence's end (key < kv_end)
-                r = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, BLOCK_KV), 0, layout=plgpu.Layout.WGMMA)
-                c = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
-                key = c + step * BLOCK_KV
-                qk = jnp.where((key <= r + pos0) & (key < kv_end), qk, -jnp.inf)
-            m_ij = jnp.maximum(m_i, qk.max(axis=1) * (scale * _LOG2E))
-            alpha = jnp.exp2(m_i - m_ij)
-            p = jnp.exp2(qk * (scale * _LOG2E) - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
-            acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
-            l_i = l_i * alpha + p.sum(axis=1)
-            p16 = p.astype(dtype)
-            acc, l_i, m_ij, p16 = lax.optimization_barrier((acc, l_i, m_ij, p16))
-            plgpu.barrier_arrive(schedule)  # done with the softmax
-            plgpu.barrier_wait(v_ready.at[slot])
-            plgpu.barrier_wait(schedule)  # the tensor cores are free
+            pl.when(wg == 0)(schedule_barrier)
+            # Rows without keys (padding tokens) have l = acc = 0: their output is 0.
+            l_i = jnp.maximum(l_i, jnp.float32(1e-30))
+            acc /= lax.broadcast_in_dim(l_i, (BLOCK_Q, head_dim), [0])
+            qo_smem[...] = acc.astype(dtype)
+            plgpu.commit_smem()
+            # Only the real rows, as a ladder of power-of-two row counts (TMA shapes are static): the
+            # chunk of n rows exists when bit n of `rows` is set, and starts after the larger chunks.
+            n = BLOCK_Q
+            while n:
+                start = rows & ~(2 * n - 1)
 
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                next_step = step + 1
+                @pl.when((rows & n) != 0)
+                def _(start=start, n=n):
+                    plgpu.copy_smem_to_gmem(qo_smem.at[pl.ds(start, n)],
+                                            out_ref.at[pl.ds(first_tok + row0 + start, n), head])
 
-                @pl.when(next_step < steps)
-                def _():
-                    plgpu.barrier_wait(k_ready.at[lax.rem(next_step, jnp.int32(stages))])
+                n //= 2
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the buffer takes the next item's queries
+            return first_step + num_kb
 
-            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-            plgpu.barrier_arrive(v_free.at[slot])
-            return acc, m_ij, l_i
-
-        carry = lax.fori_loop(0, full, functools.partial(kv_step, masked=False), (acc, m_i, l_i))
-        acc, m_i, l_i = lax.fori_loop(full, steps, functools.partial(kv_step, masked=True), carry)
-
-        @pl.loop(steps, num_kb)
-        def _release(step):  # key blocks only the other warpgroup's rows see: free their slots
-            slot = lax.rem(step, jnp.int32(stages))
-            plgpu.barrier_arrive(k_free.at[slot])
-            plgpu.barrier_arrive(v_free.at[slot])
-            schedule_barrier()
-            schedule_barrier()
-
-        pl.when(wg == 0)(schedule_barrier)
-        acc /= lax.broadcast_in_dim(l_i, (BLOCK_Q, head_dim), [0])
-        qo_smem[...] = acc.astype(dtype)
-        plgpu.commit_smem()
-        # Only the real rows, as a ladder of power-of-two row counts (TMA shapes are static): the
-        # chunk of n rows exists when bit n of `rows` is set, and starts after the larger chunks.
-        n = BLOCK_Q
-        while n:
-            start = rows & ~(2 * n - 1)
-
-            @pl.when((rows & n) != 0)
-            def _(start=start, n=n):
-                plgpu.copy_smem_to_gmem(qo_smem.at[pl.ds(start, n)], out_ref.at[pl.ds(first_tok + row0 + start, n), head])
-
-            n //= 2
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        lax.fori_loop(0, my_items, compute_item, jnp.int32(0))
 
     @pl.when(wg == COMPUTE_WGS)
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
-        kv_head = lax.div(head, jnp.int32(group))
 
-        def load(step, slot):
-            for j in range(pages_per_block):
-                index = jnp.minimum(step * pages_per_block + j, pages_per_seq - 1)
-                page = jnp.maximum(bt_ref[seq, index], 0)
-                rows = pl.ds(j * page_size, page_size)
-                plgpu.copy_gmem_to_smem(k_ref.at[kv_head, page], k_smem.at[slot, rows], k_ready.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[kv_head, page], v_smem.at[slot, rows], v_ready.at[slot])
+        def load_item(i, first_step):
+            block, head, num_kb = item(i)
+            seq = meta_ref[block, 0]
+            kv_head = lax.div(head, jnp.int32(group))
 
-        @pl.loop(0, jnp.minimum(num_kb, stages))
-        def _prologue(step):
-            load(step, step)
+            @pl.loop(0, num_kb)
+            def _load(step):
+                ring_step = first_step + step
+                slot = lax.rem(ring_step, jnp.int32(stages))
 
-        @pl.loop(stages, jnp.maximum(num_kb, stages))
-        def _steady(step):
-            slot = lax.rem(step, jnp.int32(stages))
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
-            load(step, slot)
+                @pl.when(ring_step >= stages)
+                def _():  # the slot's previous key block has been read by both warpgroups
+                    plgpu.barrier_wait(k_free.at[slot])
+                    plgpu.barrier_wait(v_free.at[slot])
+
+                for j in range(pages_per_block):
+                    index = jnp.minimum(step * pages_per_block + j, pages_per_seq - 1)
+                    page = jnp.maximum(bt_ref[seq, index], 0)
+                    rows = pl.ds(j * page_size, page_size)
+                    plgpu.copy_gmem_to_smem(k_ref.at[kv_head, page], k_smem.at[slot, rows], k_ready.at[slot])
+                    plgpu.copy_gmem_to_smem(v_ref.at[kv_head, page], v_smem.at[slot, rows], v_ready.at[slot])
+
+            return first_step + num_kb
+
+        lax.fori_loop(0, my_items, load_item, jnp.int32(0))
 
 
 def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale: float, stages: int = 2,
-                           q_in_smem: bool = False):
+                           q_in_smem: bool = False, persistent: bool = True):
     """``reference.ragged_paged_attention`` for the calls ``supports`` accepts (causal only)."""
     t, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_cache.shape
@@ -220,7 +249,13 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale:
         block_tables = (block_tables[:, :, None] * split + jnp.arange(split, dtype=jnp.int32)).reshape(
             num_seqs, pages_per_seq)
     rows_per_block = COMPUTE_WGS * BLOCK_Q
-    num_blocks = max(1, pl.cdiv(t, rows_per_block) + num_seqs)
+    # Padding tokens (slot < 0) become blocks of their own with no keys, so that the kernel writes
+    # their zeros too (no pass over the output afterwards): up to one padding run per sequence, plus one.
+    padding = md.slot_mapping < 0
+    md = md.replace(slot_mapping=jnp.where(padding, 0, md.slot_mapping),
+                    token_seq_ids=jnp.where(padding, -1, md.token_seq_ids),
+                    positions=jnp.where(padding, -1, md.positions))
+    num_blocks = pl.cdiv(t, rows_per_block) + 2 * num_seqs + 1
     meta8, row_pos, row_tok, row_valid = _query_blocks(
         md, block_q=rows_per_block, num_blocks=num_blocks, page_size=page_size, block_k=BLOCK_KV,
         pages_per_seq=pages_per_seq, sliding_window=None)
@@ -235,7 +270,8 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale:
     def entry(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref):
         pl.run_scoped(
             lambda *scoped: _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, scale=float(scale),
-                                    group=group, page_size=page_size, stages=stages, q_in_smem=q_in_smem),
+                                    group=group, page_size=page_size, stages=stages, q_in_smem=q_in_smem,
+                                    num_programs=num_programs),
             (plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, head_dim), q.dtype),
              *([plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, head_dim), q.dtype, transforms=transforms)] if q_in_smem else []),
              plgpu.SMEM((stages, BLOCK_KV, head_dim), q.dtype, transforms=transforms),
@@ -248,17 +284,22 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale:
             collective_axes="wg",
         )
 
-    out = plgpu.kernel(
+    num_items = num_heads * num_blocks
+    num_programs = min(num_items, _num_sms()) if persistent else num_items
+    return plgpu.kernel(
         entry,
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        grid=(num_heads, num_blocks),
-        grid_names=("heads", "blocks"),
+        grid=(num_programs,),
+        grid_names=("programs",),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(meta, block_tables, q, k_cache, v_cache)
-    # Tokens of no block (padding) were never written: zeros, as the reference gives.
-    return jnp.where((md.slot_mapping >= 0)[:, None, None], out, jnp.zeros((), q.dtype))
+
+
+def _num_sms() -> int:
+    """Streaming multiprocessors of the GPU (132 on an H100/H200): one persistent program each."""
+    return getattr(jax.devices()[0], "core_count", 132)
 
 
 __all__ = ["ragged_paged_attention", "supports"]
