@@ -36,12 +36,20 @@ PARITY_CASES = (
     (2, 384, 4, 4, 128, 256, None, 200),  # pages larger than a key block, more padding than a block
 )
 
-# (key/value pipeline stages, query tiles copied to shared memory, persistent programs)
-VARIANTS = ((3, False, False), (3, False, True), (2, False, True))
+# (key/value pipeline stages, query tiles copied to shared memory, persistent programs, registers of a
+#  compute / the memory warpgroup)
+VARIANTS = ((3, False, False, (232, 40)), (3, False, True, (232, 40)), (3, False, True, (240, 24)),
+            (3, False, False, (240, 24)))
 
 
-def _name(stages, q_in_smem, persistent):
-    return f"mgpu_stages{stages}_q_{'smem' if q_in_smem else 'registers'}{'_persistent' if persistent else ''}"
+def _name(stages, q_in_smem, persistent, registers):
+    return (f"mgpu_stages{stages}_q_{'smem' if q_in_smem else 'registers'}{'_persistent' if persistent else ''}"
+            f"_regs{registers[0]}")
+
+
+def _kernel(stages, q_in_smem, persistent, registers, scale):
+    return functools.partial(prefill_mgpu.ragged_paged_attention, scale=scale, stages=stages, q_in_smem=q_in_smem,
+                             persistent=persistent, registers=registers)
 
 
 def parity(cases):
@@ -66,11 +74,10 @@ def parity(cases):
         f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
         ref = reference.ragged_paged_attention(f32(q), f32(k), f32(v), md, scale=scale)
         ref = jnp.where((md.slot_mapping >= 0)[:, None, None], ref, 0.0)  # the kernels give padding zeros
-        for stages, q_in_smem, persistent in VARIANTS:
-            variant = dict(row, variant=_name(stages, q_in_smem, persistent))
+        for options in VARIANTS:
+            variant = dict(row, variant=_name(*options))
             try:
-                got = jax.block_until_ready(prefill_mgpu.ragged_paged_attention(
-                    q, k, v, md, scale=scale, stages=stages, q_in_smem=q_in_smem, persistent=persistent))
+                got = jax.block_until_ready(_kernel(*options, scale)(q, k, v, md))
             except Exception as e:
                 variant.update(ok=False, error=f"{type(e).__name__}: {str(e)[:400]}",
                                traceback=traceback.format_exc()[-3000:])
@@ -88,12 +95,10 @@ def benchmarks(flops_rate):
         flops = 4 * batch * heads * seq_len * seq_len * 128 / 2  # causal: half the square
         q, k, v, md = packed_sequences(batch, seq_len, heads, heads, 128, 16, jnp.bfloat16)
         row = {"batch": batch, "seq_len": seq_len, "heads": heads, "matmul_peak_tflops": flops_rate / 1e12}
-        for stages, q_in_smem, persistent in VARIANTS:
-            name = _name(stages, q_in_smem, persistent)
+        for options in VARIANTS:
+            name = _name(*options)
             try:
-                seconds = device_time(functools.partial(prefill_mgpu.ragged_paged_attention, scale=128**-0.5,
-                                                        stages=stages, q_in_smem=q_in_smem, persistent=persistent),
-                                      q, k, v, md, iters=10)
+                seconds = device_time(_kernel(*options, 128**-0.5), q, k, v, md, iters=10)
                 row[f"{name}_tflops"] = flops / seconds / 1e12
             except Exception as e:
                 row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -107,9 +112,7 @@ def benchmarks(flops_rate):
         # per step in a model, shared by its layers) and the timing loop.
         best = max(VARIANTS, key=lambda v: row.get(f"{_name(*v)}_tflops", 0))
         row["mgpu_breakdown_variant"] = _name(*best)
-        row["mgpu_breakdown_us"] = kernel_breakdown(functools.partial(
-            prefill_mgpu.ragged_paged_attention, scale=128**-0.5, stages=best[0], q_in_smem=best[1],
-            persistent=best[2]), q, k, v, md)
+        row["mgpu_breakdown_us"] = kernel_breakdown(_kernel(*best, 128**-0.5), q, k, v, md)
         row["cudnn_breakdown_us"] = kernel_breakdown(functools.partial(
             jax.nn.dot_product_attention, is_causal=True, implementation="cudnn"), dense_q, dense_q, dense_q)
         rows.append(row)

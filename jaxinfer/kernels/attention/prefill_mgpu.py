@@ -59,7 +59,7 @@ def supports(q, k_cache, *, sliding_window=None, logit_softcap=None, sinks=None)
 
 
 def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale: float, group: int, page_size: int,
-            stages: int, q_in_smem: bool, num_programs: int):
+            stages: int, q_in_smem: bool, num_programs: int, registers: tuple[int, int]):
     (qo_smem2, *qt_smem2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free), schedule = scoped
     head_dim = q_ref.shape[-1]
     num_heads = q_ref.shape[1]
@@ -69,14 +69,20 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale: fl
     program = lax.axis_index("programs")
     wg = lax.axis_index("wg")
     # Work items are (query block, head) pairs, heads fastest (a KV head's query heads run side by
-    # side and share its pages in L2) and the longest blocks first; program p takes items p, p + P, ...
+    # side and share its pages in L2) and the longest blocks first. Program p takes one item per
+    # round, in snake order (p in even rounds, P - 1 - p in odd ones), so that the programs' sums of
+    # decreasing item costs come out even. Items past the end are empty.
     num_items = meta_ref.shape[0] * num_heads
-    my_items = lax.div(num_items - program + num_programs - 1, jnp.int32(num_programs))
+    rounds = pl.cdiv(num_items, num_programs)
 
     def item(i):
-        w = program + i * num_programs
+        w = i * num_programs + jnp.where(i % 2 == 0, program, num_programs - 1 - program)
+        real = w < num_items
+        w = jnp.minimum(w, num_items - 1)
         block, head = lax.div(w, jnp.int32(num_heads)), lax.rem(w, jnp.int32(num_heads))
-        return block, head, meta_ref[block, 1]  # ..., its number of key blocks
+        num_kb = jnp.where(real, meta_ref[block, 1], 0)  # its key blocks
+        num_rows = jnp.where(real, meta_ref[block, 5], 0)  # its tokens
+        return block, head, num_kb, num_rows
 
     def schedule_barrier():
         plgpu.barrier_arrive(schedule)
@@ -84,12 +90,12 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale: fl
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(registers[0], action="increase")
         qo_smem = qo_smem2.at[wg]  # the query rows as loaded, later the output rows
 
         def compute_item(i, first_step):  # first_step: key blocks loaded before this item (the ring's position)
-            block, head, num_kb = item(i)
-            kv_end, first_tok, first_pos, num_rows = (meta_ref[block, j] for j in (2, 3, 4, 5))
+            block, head, num_kb, num_rows = item(i)
+            kv_end, first_tok, first_pos = (meta_ref[block, j] for j in (2, 3, 4))
             row0 = wg * BLOCK_Q
             rows = jnp.clip(num_rows - row0, 0, BLOCK_Q)  # this warpgroup's real rows
             pos0 = first_pos + row0  # position of its first row
@@ -197,14 +203,14 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale: fl
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the buffer takes the next item's queries
             return first_step + num_kb
 
-        lax.fori_loop(0, my_items, compute_item, jnp.int32(0))
+        lax.fori_loop(0, rounds, compute_item, jnp.int32(0))
 
     @pl.when(wg == COMPUTE_WGS)
     def _memory():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(registers[1], action="decrease")
 
         def load_item(i, first_step):
-            block, head, num_kb = item(i)
+            block, head, num_kb, _ = item(i)
             seq = meta_ref[block, 0]
             kv_head = lax.div(head, jnp.int32(group))
 
@@ -227,11 +233,11 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale: fl
 
             return first_step + num_kb
 
-        lax.fori_loop(0, my_items, load_item, jnp.int32(0))
+        lax.fori_loop(0, rounds, load_item, jnp.int32(0))
 
 
 def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale: float, stages: int = 2,
-                           q_in_smem: bool = False, persistent: bool = True):
+                           q_in_smem: bool = False, persistent: bool = True, registers: tuple[int, int] = (232, 40)):
     """``reference.ragged_paged_attention`` for the calls ``supports`` accepts (causal only)."""
     t, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_cache.shape
@@ -271,7 +277,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale:
         pl.run_scoped(
             lambda *scoped: _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, scale=float(scale),
                                     group=group, page_size=page_size, stages=stages, q_in_smem=q_in_smem,
-                                    num_programs=num_programs),
+                                    num_programs=num_programs, registers=registers),
             (plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, head_dim), q.dtype),
              *([plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, head_dim), q.dtype, transforms=transforms)] if q_in_smem else []),
              plgpu.SMEM((stages, BLOCK_KV, head_dim), q.dtype, transforms=transforms),
