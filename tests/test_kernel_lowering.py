@@ -87,6 +87,28 @@ def test_prefill_mosaic_gpu_refuses_what_it_does_not_take():
     assert not prefill_mgpu.supports(q, cache, sliding_window=64)
     assert not prefill_mgpu.supports(q.astype(jnp.float32), cache.astype(jnp.float32))
     assert not prefill_mgpu.supports(jnp.zeros((8, 4, 256), BF16), jnp.zeros((4, 2, 16, 256), BF16))
+    with pytest.raises(ValueError, match="does not take"):
+        prefill_mgpu.ragged_paged_attention(q.astype(jnp.float32), cache.astype(jnp.float32),
+                                            cache.astype(jnp.float32), None, scale=0.1)
+
+
+@pytest.mark.parametrize("options, hopper, interpret, expected", [
+    ({}, True, False, "mosaic_gpu"),
+    ({"sliding_window": None, "logit_softcap": None, "sinks": None}, True, False, "mosaic_gpu"),
+    ({"sliding_window": 64}, True, False, "triton"),
+    ({"block_q": 64}, True, False, "triton"),  # Triton tuning options go to the Triton kernel
+    ({}, False, False, "triton"),  # not a Hopper GPU
+    ({}, True, True, "triton"),  # interpret mode (CPU tests)
+])
+def test_gpu_prefill_picks_the_kernel_that_takes_the_call(monkeypatch, options, hopper, interpret, expected):
+    from jaxinfer.kernels import attention
+
+    monkeypatch.setattr(attention, "_on_hopper", lambda: hopper)
+    monkeypatch.setattr(prefill_mgpu, "ragged_paged_attention", lambda *a, **k: "mosaic_gpu")
+    monkeypatch.setattr(attention.prefill_pallas, "ragged_paged_attention", lambda *a, **k: "triton")
+    q, cache = jnp.zeros((8, 4, 128), BF16), jnp.zeros((4, 2, 16, 128), BF16)
+    chosen = attention._gpu_ragged_paged_attention(q, cache, cache, None, scale=0.1, interpret=interpret, **options)
+    assert chosen == expected
 
 
 @pytest.mark.parametrize("tokens, experts, top_k, hidden, inter", [(1, 128, 8, 2048, 768), (4096, 128, 8, 2048, 768),

@@ -8,8 +8,28 @@ everywhere (for debugging and for measuring what the kernels buy).
 
 from __future__ import annotations
 
-from jaxinfer.kernels.attention import decode_pallas, prefill_pallas, reference, rotary_pallas
+import functools
+
+import jax
+
+from jaxinfer.kernels.attention import decode_pallas, prefill_mgpu, prefill_pallas, reference, rotary_pallas
 from jaxinfer.kernels.dispatch import OpDispatcher
+
+
+@functools.cache
+def _on_hopper() -> bool:
+    """Whether the default device is a Hopper GPU (compute capability 9.x), which the wgmma/TMA kernel needs."""
+    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
+
+
+def _gpu_ragged_paged_attention(q, k_cache, v_cache, md, *, scale, interpret=False, **options):
+    """The warp-specialised Mosaic GPU kernel where it takes the call on a Hopper GPU, else the
+    Triton kernel (sliding window, soft-cap, sinks, float32, other GPUs, tuning options, interpret mode)."""
+    if not interpret and _on_hopper() and set(options) <= {"sliding_window", "logit_softcap", "sinks"} \
+            and prefill_mgpu.supports(q, k_cache, **options):
+        return prefill_mgpu.ragged_paged_attention(q, k_cache, v_cache, md, scale=scale)
+    return prefill_pallas.ragged_paged_attention(q, k_cache, v_cache, md, scale=scale, interpret=interpret, **options)
+
 
 _dispatch = OpDispatcher(
     "attention",
@@ -25,7 +45,7 @@ _dispatch = OpDispatcher(
             # fused with the q/k norm and RoPE before it, it is one kernel instead of about seven.
             "rotary_cache_write": rotary_pallas.rotary_cache_write,
             "paged_decode_attention": decode_pallas.paged_decode_attention,
-            "ragged_paged_attention": prefill_pallas.ragged_paged_attention,
+            "ragged_paged_attention": _gpu_ragged_paged_attention,
         },
     },
     {"gpu": "pallas", "cuda": "pallas"},

@@ -12,9 +12,12 @@ What differs from ``attention_mgpu``:
 - **Ragged query blocks.** The step's tokens are cut into blocks of 128 consecutive tokens of one
   sequence by ``prefill_pallas._query_blocks`` (the Triton kernel's schedule, longest blocks first):
   a program takes one block and one query head. Its rows are one contiguous run of tokens and
-  positions, so the causal mask of row ``r`` is ``key <= first_pos + r``. A block's last rows may
-  belong to no token: their outputs are never stored (TMA stores of a power-of-two ladder of row
-  counts write exactly the real rows).
+  positions, so the causal mask of row ``r`` is ``key <= first_pos + r``. A block starts at any
+  token, which a tiled TMA load cannot (tiles of 8 rows need an aligned start): the query rows land
+  untiled and the QK matmul takes them from registers. A block's last rows may belong to no token:
+  their outputs are never stored (TMA stores of a power-of-two ladder of row counts write exactly
+  the real rows). Padding tokens (``slot_mapping < 0``) form blocks without keys, whose rows get
+  zeros from the kernel itself.
 - **Paged keys.** A key block of 128 keys is ``128 / page_size`` pages, each one TMA copy of a
   ``[page_size, head_dim]`` page into its rows of the slot; the slot's barrier expects one arrival
   per page. Pages larger than 128 keys are read as virtual pages of 128 (a free reshape).
@@ -23,9 +26,11 @@ What differs from ``attention_mgpu``:
   computing (the memory warpgroup always loads the block's whole range).
 - Logits are scaled by ``scale * log2(e)`` inside the softmax (``exp2``), the queries are not.
 
-Not the default path: the attention dispatcher still takes ``prefill_pallas``. This kernel lowers
-(``tests/test_kernel_lowering.py``) but has not yet run on a GPU; ``scripts/prefill_mgpu_check.py``
-is its GPU parity check and benchmark.
+The attention dispatcher takes this kernel on Hopper GPUs for the calls ``supports`` accepts, the
+Triton kernel (``prefill_pallas``) for the rest. Measured on the H200 (``scripts/gpu_check.py``), it
+runs causal prefill at about cuDNN's rate; a persistent variant (one program per SM looping over
+blocks, round-robin or snake order) and a tiled shared-memory copy of the queries measured slower
+or no faster and were not kept.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ from jaxinfer.kernels.attention.prefill_pallas import _query_blocks
 BLOCK_Q = 64  # query rows per compute warpgroup (one wgmma M tile)
 BLOCK_KV = 128  # keys per key block
 COMPUTE_WGS = 2
+STAGES = 3  # key/value blocks in flight: 3 x 64 KiB with the 32 KiB query/output buffer fills shared memory
+COMPUTE_REGISTERS, MEMORY_REGISTERS = 240, 24  # per thread: 2 x 128 x 240 + 128 x 24 <= 64K
 _LOG2E = math.log2(math.e)
 
 
@@ -59,30 +66,20 @@ def supports(q, k_cache, *, sliding_window=None, logit_softcap=None, sinks=None)
 
 
 def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale: float, group: int, page_size: int,
-            stages: int, q_in_smem: bool, num_programs: int, registers: tuple[int, int]):
-    (qo_smem2, *qt_smem2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free), schedule = scoped
+            stages: int):
+    (qo_smem2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free), schedule = scoped
     head_dim = q_ref.shape[-1]
     num_heads = q_ref.shape[1]
     pages_per_block = BLOCK_KV // page_size
     pages_per_seq = bt_ref.shape[1]
     dtype = q_ref.dtype
+    # A program is one (query block, head) pair, heads fastest (a KV head's query heads run side by
+    # side and share its pages in L2), the longest blocks first.
     program = lax.axis_index("programs")
+    block, head = lax.div(program, jnp.int32(num_heads)), lax.rem(program, jnp.int32(num_heads))
+    seq, num_kb, kv_end = meta_ref[block, 0], meta_ref[block, 1], meta_ref[block, 2]
+    first_tok, first_pos, num_rows = meta_ref[block, 3], meta_ref[block, 4], meta_ref[block, 5]
     wg = lax.axis_index("wg")
-    # Work items are (query block, head) pairs, heads fastest (a KV head's query heads run side by
-    # side and share its pages in L2) and the longest blocks first. Program p takes one item per
-    # round, in snake order (p in even rounds, P - 1 - p in odd ones), so that the programs' sums of
-    # decreasing item costs come out even. Items past the end are empty.
-    num_items = meta_ref.shape[0] * num_heads
-    rounds = pl.cdiv(num_items, num_programs)
-
-    def item(i):
-        w = i * num_programs + jnp.where(i % 2 == 0, program, num_programs - 1 - program)
-        real = w < num_items
-        w = jnp.minimum(w, num_items - 1)
-        block, head = lax.div(w, jnp.int32(num_heads)), lax.rem(w, jnp.int32(num_heads))
-        num_kb = jnp.where(real, meta_ref[block, 1], 0)  # its key blocks
-        num_rows = jnp.where(real, meta_ref[block, 5], 0)  # its tokens
-        return block, head, num_kb, num_rows
 
     def schedule_barrier():
         plgpu.barrier_arrive(schedule)
@@ -90,154 +87,130 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale: fl
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
-        plgpu.set_max_registers(registers[0], action="increase")
+        plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
         qo_smem = qo_smem2.at[wg]  # the query rows as loaded, later the output rows
+        row0 = wg * BLOCK_Q
+        rows = jnp.clip(num_rows - row0, 0, BLOCK_Q)  # this warpgroup's real rows
+        pos0 = first_pos + row0  # position of its first row
+        # Key blocks it computes: up to its last row's last visible key; the first `full` of them
+        # are visible to every one of its rows (no mask).
+        last_key = jnp.minimum(pos0 + jnp.maximum(rows, 1), kv_end)
+        steps = jnp.where(rows > 0, lax.div(jnp.maximum(last_key, 0) + BLOCK_KV - 1, BLOCK_KV), 0)
+        full = jnp.clip(lax.div(jnp.minimum(pos0 + 1, kv_end), BLOCK_KV), 0, steps)
 
-        def compute_item(i, first_step):  # first_step: key blocks loaded before this item (the ring's position)
-            block, head, num_kb, num_rows = item(i)
-            kv_end, first_tok, first_pos = (meta_ref[block, j] for j in (2, 3, 4))
-            row0 = wg * BLOCK_Q
-            rows = jnp.clip(num_rows - row0, 0, BLOCK_Q)  # this warpgroup's real rows
-            pos0 = first_pos + row0  # position of its first row
-            # Key blocks it computes: up to its last row's last visible key; the first `full` of them
-            # are visible to every one of its rows (no mask).
-            last_key = jnp.minimum(pos0 + jnp.maximum(rows, 1), kv_end)
-            steps = jnp.where(rows > 0, lax.div(jnp.maximum(last_key, 0) + BLOCK_KV - 1, BLOCK_KV), 0)
-            full = jnp.clip(lax.div(jnp.minimum(pos0 + 1, kv_end), BLOCK_KV), 0, steps)
+        def slot_of(step):
+            return lax.rem(step, jnp.int32(stages))
 
-            def slot_of(step):
-                return lax.rem(first_step + step, jnp.int32(stages))
+        # A block starts at any token, so its query rows cannot be TMA-loaded into a tiled buffer
+        # (tiles of 8 rows need an aligned start): they land untiled, and the QK matmul reads them
+        # from registers, loaded once. (A tiled copy in shared memory measured no faster.)
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(first_tok + row0, BLOCK_Q), head], qo_smem, q_ready.at[wg])
+        plgpu.barrier_wait(q_ready.at[wg])
+        q_regs = plgpu.load(qo_smem, (), layout=plgpu.Layout.WGMMA, optimized=False)
+        m_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        l_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc = plgpu.layout_cast(jnp.full((BLOCK_Q, head_dim), 0, jnp.float32), plgpu.Layout.WGMMA)
 
-            # A block starts at any token, so its query rows cannot be TMA-loaded into a tiled buffer
-            # (tiles of 8 rows need an aligned start): they land untiled, and the QK matmul reads them
-            # from registers or from a tiled copy made once.
-            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(first_tok + row0, BLOCK_Q), head], qo_smem, q_ready.at[wg])
-            plgpu.barrier_wait(q_ready.at[wg])
-            q_operand = plgpu.load(qo_smem, (), layout=plgpu.Layout.WGMMA, optimized=False)
-            if q_in_smem:
-                qt_smem = qt_smem2[0].at[wg]
-                qt_smem[...] = q_operand
-                plgpu.commit_smem()
-                q_operand = qt_smem
-            m_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            l_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            acc = plgpu.layout_cast(jnp.full((BLOCK_Q, head_dim), 0, jnp.float32), plgpu.Layout.WGMMA)
+        @pl.when(steps > 0)
+        def _():
+            plgpu.barrier_wait(k_ready.at[slot_of(0)])
 
-            @pl.when(steps > 0)
-            def _():
-                plgpu.barrier_wait(k_ready.at[slot_of(0)])
+        pl.when(wg == 1)(schedule_barrier)  # the two warpgroups take the tensor cores in turn
 
-            pl.when(wg == 1)(schedule_barrier)  # the two warpgroups take the tensor cores in turn
+        def kv_step(step, carry, masked: bool):
+            acc, m_i, l_i = carry
+            slot = slot_of(step)
 
-            def kv_step(step, carry, masked: bool):
-                acc, m_i, l_i = carry
-                slot = slot_of(step)
-
-                def qk_scope(acc_ref):
-                    plgpu.wgmma(acc_ref, q_operand, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                    schedule_barrier()
-                    return acc_ref[...]
-
-                qk = pl.run_scoped(qk_scope, plgpu.ACC((BLOCK_Q, BLOCK_KV), jnp.float32))
-                plgpu.barrier_arrive(k_free.at[slot])
-                if masked:  # causal (key <= the row's position) and the sequence's end (key < kv_end)
-                    r = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, BLOCK_KV), 0, layout=plgpu.Layout.WGMMA)
-                    c = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
-                    key = c + step * BLOCK_KV
-                    qk = jnp.where((key <= r + pos0) & (key < kv_end), qk, -jnp.inf)
-                m_ij = jnp.maximum(m_i, qk.max(axis=1) * (scale * _LOG2E))
-                alpha = jnp.exp2(m_i - m_ij)
-                p = jnp.exp2(qk * (scale * _LOG2E) - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
-                acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
-                l_i = l_i * alpha + p.sum(axis=1)
-                p16 = p.astype(dtype)
-                acc, l_i, m_ij, p16 = lax.optimization_barrier((acc, l_i, m_ij, p16))
-                plgpu.barrier_arrive(schedule)  # done with the softmax
-                plgpu.barrier_wait(v_ready.at[slot])
-                plgpu.barrier_wait(schedule)  # the tensor cores are free
-
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-
-                    @pl.when(step + 1 < steps)
-                    def _():
-                        plgpu.barrier_wait(k_ready.at[slot_of(step + 1)])
-
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                plgpu.barrier_arrive(v_free.at[slot])
-                return acc, m_ij, l_i
-
-            carry = lax.fori_loop(0, full, functools.partial(kv_step, masked=False), (acc, m_i, l_i))
-            acc, m_i, l_i = lax.fori_loop(full, steps, functools.partial(kv_step, masked=True), carry)
-
-            @pl.loop(steps, num_kb)
-            def _release(step):  # key blocks only the other warpgroup's rows see
-                # Wait for them all the same: a barrier's phase is tracked by its waits, and the ring
-                # goes on into the next item.
-                slot = slot_of(step)
-                plgpu.barrier_wait(k_ready.at[slot])
-                plgpu.barrier_arrive(k_free.at[slot])
-                plgpu.barrier_wait(v_ready.at[slot])
-                plgpu.barrier_arrive(v_free.at[slot])
+            def qk_scope(acc_ref):
+                plgpu.wgmma(acc_ref, q_regs, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
                 schedule_barrier()
-                schedule_barrier()
+                return acc_ref[...]
 
-            pl.when(wg == 0)(schedule_barrier)
-            # Rows without keys (padding tokens) have l = acc = 0: their output is 0.
-            l_i = jnp.maximum(l_i, jnp.float32(1e-30))
-            acc /= lax.broadcast_in_dim(l_i, (BLOCK_Q, head_dim), [0])
-            qo_smem[...] = acc.astype(dtype)
-            plgpu.commit_smem()
-            # Only the real rows, as a ladder of power-of-two row counts (TMA shapes are static): the
-            # chunk of n rows exists when bit n of `rows` is set, and starts after the larger chunks.
-            n = BLOCK_Q
-            while n:
-                start = rows & ~(2 * n - 1)
+            qk = pl.run_scoped(qk_scope, plgpu.ACC((BLOCK_Q, BLOCK_KV), jnp.float32))
+            plgpu.barrier_arrive(k_free.at[slot])
+            if masked:  # causal (key <= the row's position) and the sequence's end (key < kv_end)
+                r = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, BLOCK_KV), 0, layout=plgpu.Layout.WGMMA)
+                c = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
+                key = c + step * BLOCK_KV
+                qk = jnp.where((key <= r + pos0) & (key < kv_end), qk, -jnp.inf)
+            m_ij = jnp.maximum(m_i, qk.max(axis=1) * (scale * _LOG2E))
+            alpha = jnp.exp2(m_i - m_ij)
+            p = jnp.exp2(qk * (scale * _LOG2E) - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
+            acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l_i = l_i * alpha + p.sum(axis=1)
+            p16 = p.astype(dtype)
+            acc, l_i, m_ij, p16 = lax.optimization_barrier((acc, l_i, m_ij, p16))
+            plgpu.barrier_arrive(schedule)  # done with the softmax
+            plgpu.barrier_wait(v_ready.at[slot])
+            plgpu.barrier_wait(schedule)  # the tensor cores are free
 
-                @pl.when((rows & n) != 0)
-                def _(start=start, n=n):
-                    plgpu.copy_smem_to_gmem(qo_smem.at[pl.ds(start, n)],
-                                            out_ref.at[pl.ds(first_tok + row0 + start, n), head])
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
 
-                n //= 2
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the buffer takes the next item's queries
-            return first_step + num_kb
+                @pl.when(step + 1 < steps)
+                def _():
+                    plgpu.barrier_wait(k_ready.at[slot_of(step + 1)])
 
-        lax.fori_loop(0, rounds, compute_item, jnp.int32(0))
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_ij, l_i
+
+        carry = lax.fori_loop(0, full, functools.partial(kv_step, masked=False), (acc, m_i, l_i))
+        acc, m_i, l_i = lax.fori_loop(full, steps, functools.partial(kv_step, masked=True), carry)
+
+        @pl.loop(steps, num_kb)
+        def _release(step):  # key blocks only the other warpgroup's rows see
+            slot = slot_of(step)  # waited for all the same: every load lands before the program ends
+            plgpu.barrier_wait(k_ready.at[slot])
+            plgpu.barrier_arrive(k_free.at[slot])
+            plgpu.barrier_wait(v_ready.at[slot])
+            plgpu.barrier_arrive(v_free.at[slot])
+            schedule_barrier()
+            schedule_barrier()
+
+        pl.when(wg == 0)(schedule_barrier)
+        # Rows without keys (padding tokens) have l = acc = 0: their output is 0.
+        l_i = jnp.maximum(l_i, jnp.float32(1e-30))
+        acc /= lax.broadcast_in_dim(l_i, (BLOCK_Q, head_dim), [0])
+        qo_smem[...] = acc.astype(dtype)
+        plgpu.commit_smem()
+        # Only the real rows, as a ladder of power-of-two row counts (TMA shapes are static): the
+        # chunk of n rows exists when bit n of `rows` is set, and starts after the larger chunks.
+        n = BLOCK_Q
+        while n:
+            start = rows & ~(2 * n - 1)
+
+            @pl.when((rows & n) != 0)
+            def _(start=start, n=n):
+                plgpu.copy_smem_to_gmem(qo_smem.at[pl.ds(start, n)],
+                                        out_ref.at[pl.ds(first_tok + row0 + start, n), head])
+
+            n //= 2
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     @pl.when(wg == COMPUTE_WGS)
     def _memory():
-        plgpu.set_max_registers(registers[1], action="decrease")
+        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+        kv_head = lax.div(head, jnp.int32(group))
 
-        def load_item(i, first_step):
-            block, head, num_kb, _ = item(i)
-            seq = meta_ref[block, 0]
-            kv_head = lax.div(head, jnp.int32(group))
+        @pl.loop(0, num_kb)
+        def _load(step):
+            slot = lax.rem(step, jnp.int32(stages))
 
-            @pl.loop(0, num_kb)
-            def _load(step):
-                ring_step = first_step + step
-                slot = lax.rem(ring_step, jnp.int32(stages))
+            @pl.when(step >= stages)
+            def _():  # the slot's previous key block has been read by both warpgroups
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
 
-                @pl.when(ring_step >= stages)
-                def _():  # the slot's previous key block has been read by both warpgroups
-                    plgpu.barrier_wait(k_free.at[slot])
-                    plgpu.barrier_wait(v_free.at[slot])
-
-                for j in range(pages_per_block):
-                    index = jnp.minimum(step * pages_per_block + j, pages_per_seq - 1)
-                    page = jnp.maximum(bt_ref[seq, index], 0)
-                    rows = pl.ds(j * page_size, page_size)
-                    plgpu.copy_gmem_to_smem(k_ref.at[kv_head, page], k_smem.at[slot, rows], k_ready.at[slot])
-                    plgpu.copy_gmem_to_smem(v_ref.at[kv_head, page], v_smem.at[slot, rows], v_ready.at[slot])
-
-            return first_step + num_kb
-
-        lax.fori_loop(0, rounds, load_item, jnp.int32(0))
+            for j in range(pages_per_block):
+                index = jnp.minimum(step * pages_per_block + j, pages_per_seq - 1)
+                page = jnp.maximum(bt_ref[seq, index], 0)
+                rows = pl.ds(j * page_size, page_size)
+                plgpu.copy_gmem_to_smem(k_ref.at[kv_head, page], k_smem.at[slot, rows], k_ready.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[kv_head, page], v_smem.at[slot, rows], v_ready.at[slot])
 
 
-def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale: float, stages: int = 2,
-                           q_in_smem: bool = False, persistent: bool = True, registers: tuple[int, int] = (232, 40)):
+def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale: float, stages: int = STAGES):
     """``reference.ragged_paged_attention`` for the calls ``supports`` accepts (causal only)."""
     t, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_cache.shape
@@ -276,10 +249,8 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale:
     def entry(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref):
         pl.run_scoped(
             lambda *scoped: _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, scale=float(scale),
-                                    group=group, page_size=page_size, stages=stages, q_in_smem=q_in_smem,
-                                    num_programs=num_programs, registers=registers),
+                                    group=group, page_size=page_size, stages=stages),
             (plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, head_dim), q.dtype),
-             *([plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, head_dim), q.dtype, transforms=transforms)] if q_in_smem else []),
              plgpu.SMEM((stages, BLOCK_KV, head_dim), q.dtype, transforms=transforms),
              plgpu.SMEM((stages, BLOCK_KV, head_dim), q.dtype, transforms=transforms)),
             (plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
@@ -290,22 +261,15 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale:
             collective_axes="wg",
         )
 
-    num_items = num_heads * num_blocks
-    num_programs = min(num_items, _num_sms()) if persistent else num_items
     return plgpu.kernel(
         entry,
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        grid=(num_programs,),
+        grid=(num_heads * num_blocks,),
         grid_names=("programs",),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(meta, block_tables, q, k_cache, v_cache)
-
-
-def _num_sms() -> int:
-    """Streaming multiprocessors of the GPU (132 on an H100/H200): one persistent program each."""
-    return getattr(jax.devices()[0], "core_count", 132)
 
 
 __all__ = ["ragged_paged_attention", "supports"]
