@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from benchlib import (copy_bandwidth, device_time, environment, kernel_breakdown, kernel_time, matmul_rate,  # noqa: E402
-                      timer_overhead, write_json)
+from benchlib import (copy_bandwidth, device_time, environment, kernel_breakdown, kernel_time,  # noqa: E402
+                      matmul_rate, timer_overhead, write_json)
 
 from jaxinfer.kernels.attention import reference  # noqa: E402
 from jaxinfer.kernels.attention.decode_pallas import paged_decode_attention  # noqa: E402

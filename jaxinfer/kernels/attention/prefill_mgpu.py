@@ -27,15 +27,20 @@ What differs from ``attention_mgpu``:
 - Logits are scaled by ``scale * log2(e)`` inside the softmax (``exp2``), the queries are not.
 
 The attention dispatcher takes this kernel on Hopper GPUs for the calls ``supports`` accepts, the
-Triton kernel (``prefill_pallas``) for the rest. Measured on the H200 (``scripts/gpu_check.py``), it
-runs causal prefill at about cuDNN's rate; a persistent variant (one program per SM looping over
-blocks, round-robin or snake order) and a tiled shared-memory copy of the queries measured slower
-or no faster and were not kept.
+Triton kernel (``prefill_pallas``) for the rest. Measured on the H200 (``scripts/gpu_check.py``),
+its kernel runs causal prefill at 0.95-1.03x of cuDNN's kernel and 1.6-1.9x the Triton kernel's
+rate. Tried and not kept: persistent programs (one per SM looping over blocks in round-robin or
+snake order: slower, as a static order balances the causal blocks' unequal costs worse than the
+hardware's block scheduler) and a tiled shared-memory copy of the queries (no faster). With one
+program per SM (shared memory), each program's start (query load, first key block) and end (output
+store) are not overlapped with another's compute; that is the likely place (not yet profiled) of the
+remaining gap to cuDNN at long sequences.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 
 import jax
@@ -63,6 +68,14 @@ def supports(q, k_cache, *, sliding_window=None, logit_softcap=None, sinks=None)
     return (sliding_window is None and logit_softcap is None and sinks is None and head_dim in (64, 128)
             and jnp.dtype(q.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and pages_fit
             and q.dtype == k_cache.dtype)
+
+
+def _load(ref, layout):
+    """``plgpu.load`` of a whole ref: jax 0.11 made its index argument optional (and deprecated it),
+    0.10 requires it."""
+    if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
+        return plgpu.load(ref, (), layout=layout, optimized=False)
+    return plgpu.load(ref, layout=layout, optimized=False)
 
 
 def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale: float, group: int, page_size: int,
@@ -106,7 +119,7 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale: fl
         # from registers, loaded once. (A tiled copy in shared memory measured no faster.)
         plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(first_tok + row0, BLOCK_Q), head], qo_smem, q_ready.at[wg])
         plgpu.barrier_wait(q_ready.at[wg])
-        q_regs = plgpu.load(qo_smem, (), layout=plgpu.Layout.WGMMA, optimized=False)
+        q_regs = _load(qo_smem, plgpu.Layout.WGMMA)
         m_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         l_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         acc = plgpu.layout_cast(jnp.full((BLOCK_Q, head_dim), 0, jnp.float32), plgpu.Layout.WGMMA)
@@ -216,7 +229,8 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale:
     num_kv_heads, num_pages, page_size, _ = k_cache.shape
     if not supports(q, k_cache):
         raise ValueError(f"the Mosaic GPU prefill kernel does not take q {q.dtype}{q.shape} over pages of "
-                         f"{page_size} (bf16/f16, head_dim 64 or 128, page_size a multiple of 8 dividing 128 or a multiple of 128)")
+                         f"{page_size} (bf16/f16, head_dim 64 or 128, page_size a multiple of 8 dividing 128 "
+                         "or a multiple of 128); the attention dispatcher sends other calls to prefill_pallas")
     group = num_heads // num_kv_heads
     num_seqs, pages_per_seq = md.block_tables.shape
     block_tables = md.block_tables.astype(jnp.int32)
