@@ -188,3 +188,42 @@ def test_rejects_bad_block_sizes():
     with pytest.raises(ValueError, match="pages_per_block"):
         prefill_pallas.ragged_paged_attention(q, k_cache, v_cache, md, scale=1.0, interpret=True,
                                               pages_per_block=3)
+
+
+@pytest.mark.parametrize("seqs, num_pad_tokens, page_size", [
+    (RAGGED, 3, 16),
+    ([(0, 300), (0, 1), (200, 130), (5, 128)], 50, 16),  # runs of several blocks, exactly one block, padding
+    ([(0, 129)], 300, 256),  # more padding tokens than a block; pages larger than a key block
+])
+def test_mosaic_gpu_block_schedule_covers_every_token_once(seqs, num_pad_tokens, page_size):
+    # The Mosaic GPU kernel cannot run on CPU; its schedule (plain jnp) can. Each token must sit in
+    # exactly one block, as a run of one sequence's consecutive positions, padding tokens in blocks
+    # without keys (so the kernel writes their zeros), real blocks with exactly their key range.
+    from jaxinfer.kernels.attention import prefill_mgpu
+
+    _, _, _, md, num_real = make_step(seqs, heads=4, kv_heads=2, head_dim=64, page_size=page_size,
+                                      dtype=jnp.float32, num_pad_tokens=num_pad_tokens)
+    pages_per_seq = md.block_tables.shape[1]
+    meta = np.asarray(prefill_mgpu.block_schedule(md, page_size=page_size, pages_per_seq=pages_per_seq))
+    positions, seq_ids = np.asarray(md.positions), np.asarray(md.token_seq_ids)
+    seq_lens = np.asarray(md.seq_lens)
+    block_q, block_kv = prefill_mgpu.COMPUTE_WGS * prefill_mgpu.BLOCK_Q, prefill_mgpu.BLOCK_KV
+    covered = np.zeros(len(positions), int)
+    used = meta[meta[:, 5] > 0]
+    assert (meta[: len(meta) - len(used), 5] == 0).all()  # unused blocks first, then the used ones
+    for seq, num_kb, kv_end, first_tok, first_pos, num_rows, _, _ in used:
+        assert num_rows <= block_q
+        toks = np.arange(first_tok, first_tok + num_rows)
+        covered[toks] += 1
+        if first_tok >= num_real:  # a padding block
+            assert (toks >= num_real).all() and num_kb == 0 and kv_end == 0
+            continue
+        assert (toks < num_real).all() and (seq_ids[toks] == seq).all()
+        np.testing.assert_array_equal(positions[toks], first_pos + np.arange(num_rows))
+        assert kv_end == min(positions[toks[-1]] + 1, seq_lens[seq])
+        assert num_kb == -(-kv_end // block_kv)
+    np.testing.assert_array_equal(covered, 1)
+    # The longest key ranges first (the grid's order): per sequence, blocks in decreasing position.
+    for seq in set(used[:, 0]) - {-1}:
+        starts = used[used[:, 0] == seq, 4]
+        assert (np.diff(starts) < 0).all()

@@ -223,9 +223,35 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale: fl
                 plgpu.copy_gmem_to_smem(v_ref.at[kv_head, page], v_smem.at[slot, rows], v_ready.at[slot])
 
 
+def block_schedule(md: AttentionMetadata, *, page_size: int, pages_per_seq: int) -> jax.Array:
+    """The query blocks of a step, [num_blocks, 8] int32, one row per block: (sequence, key blocks,
+    end of the key range, first token, first position, tokens, 0, 0). Blocks run in reverse token
+    order (the last blocks of a sequence, the longest key ranges, first); unused rows, without
+    tokens, come before them.
+
+    Padding tokens (slot < 0) become blocks of their own without keys, so that the kernel writes
+    their zeros too (no pass over the output afterwards). The static block count allows one partial
+    block per run of tokens: a run per sequence and up to one padding run beside each, plus one.
+    """
+    t = md.positions.shape[0]
+    rows_per_block = COMPUTE_WGS * BLOCK_Q
+    padding = md.slot_mapping < 0
+    md = md.replace(slot_mapping=jnp.where(padding, 0, md.slot_mapping),
+                    token_seq_ids=jnp.where(padding, -1, md.token_seq_ids),
+                    positions=jnp.where(padding, -1, md.positions))
+    num_blocks = pl.cdiv(t, rows_per_block) + 2 * md.num_seqs + 1
+    meta8, row_pos, row_tok, row_valid = _query_blocks(
+        md, block_q=rows_per_block, num_blocks=num_blocks, page_size=page_size, block_k=BLOCK_KV,
+        pages_per_seq=pages_per_seq, sliding_window=None)
+    num_rows = row_valid.sum(axis=1).astype(jnp.int32)
+    zeros = jnp.zeros_like(num_rows)
+    return jnp.stack([meta8[:, 0], meta8[:, 4], meta8[:, 5], row_tok[:, 0], row_pos[:, 0], num_rows, zeros, zeros],
+                     axis=1)
+
+
 def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale: float, stages: int = STAGES):
     """``reference.ragged_paged_attention`` for the calls ``supports`` accepts (causal only)."""
-    t, num_heads, head_dim = q.shape
+    _, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_cache.shape
     if not supports(q, k_cache):
         raise ValueError(f"the Mosaic GPU prefill kernel does not take q {q.dtype}{q.shape} over pages of "
@@ -241,21 +267,8 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale:
         v_cache = v_cache.reshape(num_kv_heads, num_pages, page_size, head_dim)
         block_tables = (block_tables[:, :, None] * split + jnp.arange(split, dtype=jnp.int32)).reshape(
             num_seqs, pages_per_seq)
-    rows_per_block = COMPUTE_WGS * BLOCK_Q
-    # Padding tokens (slot < 0) become blocks of their own with no keys, so that the kernel writes
-    # their zeros too (no pass over the output afterwards): up to one padding run per sequence, plus one.
-    padding = md.slot_mapping < 0
-    md = md.replace(slot_mapping=jnp.where(padding, 0, md.slot_mapping),
-                    token_seq_ids=jnp.where(padding, -1, md.token_seq_ids),
-                    positions=jnp.where(padding, -1, md.positions))
-    num_blocks = pl.cdiv(t, rows_per_block) + 2 * num_seqs + 1
-    meta8, row_pos, row_tok, row_valid = _query_blocks(
-        md, block_q=rows_per_block, num_blocks=num_blocks, page_size=page_size, block_k=BLOCK_KV,
-        pages_per_seq=pages_per_seq, sliding_window=None)
-    num_rows = row_valid.sum(axis=1).astype(jnp.int32)
-    zeros = jnp.zeros_like(num_rows)
-    meta = jnp.stack([meta8[:, 0], meta8[:, 4], meta8[:, 5], row_tok[:, 0], row_pos[:, 0], num_rows, zeros, zeros],
-                     axis=1)
+    meta = block_schedule(md, page_size=page_size, pages_per_seq=pages_per_seq)
+    num_blocks = meta.shape[0]
 
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     pages_per_block = BLOCK_KV // page_size
@@ -286,4 +299,4 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale:
     )(meta, block_tables, q, k_cache, v_cache)
 
 
-__all__ = ["ragged_paged_attention", "supports"]
+__all__ = ["block_schedule", "ragged_paged_attention", "supports"]
