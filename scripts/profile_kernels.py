@@ -40,13 +40,21 @@ def _jax_decode(batch, context):
     return paged_attention, inputs
 
 
-def _prefill(batch, seq_len, heads, page_size=16):
+def _prefill(batch, seq_len, heads, page_size=16, triton=False):
+    """The GPU default (the Mosaic GPU kernel on Hopper), or the Triton kernel."""
     from gpu_check import packed_sequences
 
-    from jaxinfer.kernels.attention.prefill_pallas import ragged_paged_attention
+    from jaxinfer.kernels import attention
+    from jaxinfer.kernels.attention import prefill_pallas
 
     q, k, v, md = packed_sequences(batch, seq_len, heads, heads, 128, page_size, jnp.bfloat16)
-    return functools.partial(ragged_paged_attention, scale=128**-0.5), (q, k, v, md)
+    op = prefill_pallas.ragged_paged_attention if triton else attention.ragged_paged_attention
+    return functools.partial(op, scale=128**-0.5), (q, k, v, md)
+
+
+def _cudnn(batch, seq_len, heads):
+    q = jax.random.normal(jax.random.PRNGKey(1), (batch, seq_len, heads, 128), jnp.bfloat16)
+    return functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn"), (q, q, q)
 
 
 def _mha(batch, seq_len, heads):
@@ -73,6 +81,8 @@ CASES = {
     "jax_decode_b1": lambda: _jax_decode(1, 4096),
     "jax_decode_b32": lambda: _jax_decode(32, 4096),
     "prefill_8192": lambda: _prefill(1, 8192, 32),
+    "prefill_triton_8192": lambda: _prefill(1, 8192, 32, triton=True),
+    "cudnn_8192": lambda: _cudnn(1, 8192, 32),
     "mha_8192": lambda: _mha(1, 8192, 32),
     "moe_qwen_1": lambda: _moe("qwen3-30b-a3b", 1),
     "moe_qwen_8": lambda: _moe("qwen3-30b-a3b", 8),
