@@ -128,7 +128,7 @@ def test_query_blocks(window, block_q, page_size, pages_per_block):
     pages_per_seq = md.block_tables.shape[1]
     block_k = page_size * pages_per_block
     num_blocks = min(t, -(-t // block_q) + num_seqs)
-    meta, row_pos, row_tok, row_valid = map(np.asarray, prefill_pallas._query_blocks(
+    meta, row_pos, row_tok, row_valid = map(np.asarray, prefill_pallas.query_blocks(
         md, block_q=block_q, num_blocks=num_blocks, page_size=page_size, block_k=block_k,
         pages_per_seq=pages_per_seq, sliding_window=window))
     positions, seq_ids = np.asarray(md.positions), np.asarray(md.token_seq_ids)

@@ -10,7 +10,7 @@ the compute warpgroups release once read.
 What differs from ``attention_mgpu``:
 
 - **Ragged query blocks.** The step's tokens are cut into blocks of 128 consecutive tokens of one
-  sequence by ``prefill_pallas._query_blocks`` (the Triton kernel's schedule, longest blocks first):
+  sequence by ``prefill_pallas.query_blocks`` (the Triton kernel's schedule, longest blocks first):
   a program takes one block and one query head. Its rows are one contiguous run of tokens and
   positions, so the causal mask of row ``r`` is ``key <= first_pos + r``. A block starts at any
   token, which a tiled TMA load cannot (tiles of 8 rows need an aligned start): the query rows land
@@ -50,7 +50,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from jaxinfer.cache.metadata import AttentionMetadata
-from jaxinfer.kernels.attention.prefill_pallas import _query_blocks
+from jaxinfer.kernels.attention.prefill_pallas import query_blocks
 
 BLOCK_Q = 64  # query rows per compute warpgroup (one wgmma M tile)
 BLOCK_KV = 128  # keys per key block
@@ -240,7 +240,7 @@ def block_schedule(md: AttentionMetadata, *, page_size: int, pages_per_seq: int)
                     token_seq_ids=jnp.where(padding, -1, md.token_seq_ids),
                     positions=jnp.where(padding, -1, md.positions))
     num_blocks = pl.cdiv(t, rows_per_block) + 2 * md.num_seqs + 1
-    meta8, row_pos, row_tok, row_valid = _query_blocks(
+    meta8, row_pos, row_tok, row_valid = query_blocks(
         md, block_q=rows_per_block, num_blocks=num_blocks, page_size=page_size, block_k=BLOCK_KV,
         pages_per_seq=pages_per_seq, sliding_window=None)
     num_rows = row_valid.sum(axis=1).astype(jnp.int32)

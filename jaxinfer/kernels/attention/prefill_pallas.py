@@ -38,7 +38,7 @@ from jaxinfer.cache.metadata import AttentionMetadata
 
 _LOG2E = math.log2(math.e)
 _M_INIT = -1e30  # finite start of the running max: masked (-inf) logits then give exp2(-inf) = 0
-_META = 8  # int32 fields per query block (see _query_blocks)
+_META = 8  # int32 fields per query block (see query_blocks)
 
 
 def _next_pow2(n: int) -> int:
@@ -73,7 +73,7 @@ def default_block_sizes(num_tokens: int, group: int, head_dim: int, dtype) -> di
     return dict(block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
 
 
-def _query_blocks(md: AttentionMetadata, *, block_q: int, num_blocks: int, page_size: int, block_k: int,
+def query_blocks(md: AttentionMetadata, *, block_q: int, num_blocks: int, page_size: int, block_k: int,
                   pages_per_seq: int, sliding_window):
     """Per-block metadata, with plain jnp.
 
@@ -268,7 +268,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale,
     pages_per_block = block_k // page_size
 
     num_blocks = max(1, min(t, pl.cdiv(t, block_q) + num_seqs))
-    meta, row_pos, row_tok, row_valid = _query_blocks(
+    meta, row_pos, row_tok, row_valid = query_blocks(
         md, block_q=block_q, num_blocks=num_blocks, page_size=page_size, block_k=block_k,
         pages_per_seq=pages_per_seq, sliding_window=sliding_window)
 
@@ -330,4 +330,4 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale,
     return out[:t * num_heads].reshape(t, num_heads, head_dim)
 
 
-__all__ = ["default_block_sizes", "ragged_paged_attention"]
+__all__ = ["default_block_sizes", "query_blocks", "ragged_paged_attention"]
