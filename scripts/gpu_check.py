@@ -301,7 +301,7 @@ def prefill_checks(flops_rate):
         for name, (fn, args) in contenders.items():
             row[f"{name}_tflops"] = flops / device_time(fn, *args, iters=10) / 1e12
         # The attention kernels alone, from a trace: without the timing loop, cuDNN's memset, or our
-        # block metadata (a few small XLA ops that a model computes once per step for all its layers).
+        # block metadata (small XLA ops over the step's metadata, which XLA can share between layers).
         for name in ("ours", "cudnn"):
             kernels = kernel_breakdown(contenders[name][0], *contenders[name][1])
             row[f"{name}_kernel_us"] = kernels
