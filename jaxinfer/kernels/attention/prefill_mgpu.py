@@ -80,11 +80,11 @@ def _load(ref, layout):
 
 def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale: float, group: int, page_size: int,
             stages: int):
-    (qo_smem2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free), turn = scoped
+    (qo_smem2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free), schedule = scoped
     head_dim = q_ref.shape[-1]
     num_heads = q_ref.shape[1]
     pages_per_block = BLOCK_KV // page_size
-    num_seqs, pages_per_seq = bt_ref.shape
+    pages_per_seq = bt_ref.shape[1]
     dtype = q_ref.dtype
     # A program is one (query block, head) pair, heads fastest (a KV head's query heads run side by
     # side and share its pages in L2), the longest blocks first.
@@ -92,10 +92,11 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale: fl
     block, head = lax.div(program, jnp.int32(num_heads)), lax.rem(program, jnp.int32(num_heads))
     seq, num_kb, kv_end = meta_ref[block, 0], meta_ref[block, 1], meta_ref[block, 2]
     first_tok, first_pos, num_rows = meta_ref[block, 3], meta_ref[block, 4], meta_ref[block, 5]
-    # Every program reads at least one key block (blocks of padding tokens have none: their rows are
-    # all masked), so that each compute warpgroup runs the same pipeline without branches.
-    loaded = jnp.maximum(num_kb, 1)
     wg = lax.axis_index("wg")
+
+    def schedule_barrier():
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(schedule)
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
@@ -104,24 +105,14 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale: fl
         row0 = wg * BLOCK_Q
         rows = jnp.clip(num_rows - row0, 0, BLOCK_Q)  # this warpgroup's real rows
         pos0 = first_pos + row0  # position of its first row
-        # Key blocks it computes: up to its last row's last visible key (at least one); the first
-        # `full` of them are visible to every one of its rows (no mask).
+        # Key blocks it computes: up to its last row's last visible key; the first `full` of them
+        # are visible to every one of its rows (no mask).
         last_key = jnp.minimum(pos0 + jnp.maximum(rows, 1), kv_end)
-        steps = jnp.maximum(lax.div(jnp.maximum(last_key, 0) + BLOCK_KV - 1, BLOCK_KV), 1)
-        full = jnp.clip(lax.div(jnp.minimum(pos0 + 1, kv_end), BLOCK_KV), 1, steps)
+        steps = jnp.where(rows > 0, lax.div(jnp.maximum(last_key, 0) + BLOCK_KV - 1, BLOCK_KV), 0)
+        full = jnp.clip(lax.div(jnp.minimum(pos0 + 1, kv_end), BLOCK_KV), 0, steps)
 
         def slot_of(step):
             return lax.rem(step, jnp.int32(stages))
-
-        # The two warpgroups take turns issuing their matmuls (a token passed between them), so that
-        # one's softmax runs while the other's matmuls occupy the tensor cores.
-        def take_turn():
-            plgpu.barrier_wait(turn.at[wg])
-
-        def pass_turn():
-            plgpu.barrier_arrive(turn.at[1 - wg])
-
-        pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turn.at[0]))  # warpgroup 0 goes first
 
         # A block starts at any token, so its query rows cannot be TMA-loaded into a tiled buffer
         # (tiles of 8 rows need an aligned start): they land untiled, and the QK matmul reads them
@@ -129,96 +120,68 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale: fl
         plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(first_tok + row0, BLOCK_Q), head], qo_smem, q_ready.at[wg])
         plgpu.barrier_wait(q_ready.at[wg])
         q_regs = _load(qo_smem, plgpu.Layout.WGMMA)
+        m_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        l_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc = plgpu.layout_cast(jnp.full((BLOCK_Q, head_dim), 0, jnp.float32), plgpu.Layout.WGMMA)
 
-        def issue_qk(s_ref, step):
-            plgpu.wgmma(s_ref, q_regs, plgpu.transpose_ref(k_smem.at[slot_of(step)], (1, 0)))
+        @pl.when(steps > 0)
+        def _():
+            plgpu.barrier_wait(k_ready.at[slot_of(0)])
 
-        def softmax(s, step, m_i, masked: bool):
-            """(p, new running max, alpha) of one key block's logits, in base 2."""
-            s = s * (scale * _LOG2E)
+        pl.when(wg == 1)(schedule_barrier)  # the two warpgroups take the tensor cores in turn
+
+        def kv_step(step, carry, masked: bool):
+            acc, m_i, l_i = carry
+            slot = slot_of(step)
+
+            def qk_scope(acc_ref):
+                plgpu.wgmma(acc_ref, q_regs, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                schedule_barrier()
+                return acc_ref[...]
+
+            qk = pl.run_scoped(qk_scope, plgpu.ACC((BLOCK_Q, BLOCK_KV), jnp.float32))
+            plgpu.barrier_arrive(k_free.at[slot])
             if masked:  # causal (key <= the row's position) and the sequence's end (key < kv_end)
                 r = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, BLOCK_KV), 0, layout=plgpu.Layout.WGMMA)
                 c = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
                 key = c + step * BLOCK_KV
-                s = jnp.where((key <= r + pos0) & (key < kv_end), s, -jnp.inf)
-            m_new = jnp.maximum(m_i, s.max(axis=1))
-            if masked:  # rows without a visible key yet (padding tokens): p = 0, not exp(-inf + inf)
-                m_new = jnp.where(m_new == -jnp.inf, jnp.float32(0), m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            return p, m_new, jnp.exp2(m_i - m_new)
+                qk = jnp.where((key <= r + pos0) & (key < kv_end), qk, -jnp.inf)
+            m_ij = jnp.maximum(m_i, qk.max(axis=1) * (scale * _LOG2E))
+            alpha = jnp.exp2(m_i - m_ij)
+            p = jnp.exp2(qk * (scale * _LOG2E) - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
+            acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l_i = l_i * alpha + p.sum(axis=1)
+            p16 = p.astype(dtype)
+            acc, l_i, m_ij, p16 = lax.optimization_barrier((acc, l_i, m_ij, p16))
+            plgpu.barrier_arrive(schedule)  # done with the softmax
+            plgpu.barrier_wait(v_ready.at[slot])
+            plgpu.barrier_wait(schedule)  # the tensor cores are free
 
-        # Software pipelining within a warpgroup (FlashAttention-3): step j issues the QK matmul of
-        # key block j and the PV matmul of block j - 1 together, then runs block j's softmax while
-        # the PV matmul is in flight.
-        plgpu.barrier_wait(k_ready.at[0])
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
 
-        def first_qk(s_ref):
-            take_turn()
-            issue_qk(s_ref, 0)
-            pass_turn()
-            return s_ref[...]
+                @pl.when(step + 1 < steps)
+                def _():
+                    plgpu.barrier_wait(k_ready.at[slot_of(step + 1)])
 
-        s = pl.run_scoped(first_qk, plgpu.ACC((BLOCK_Q, BLOCK_KV), jnp.float32))
-        plgpu.barrier_arrive(k_free.at[0])
-        m_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        p, m_i, _ = softmax(s, 0, m_i, masked=True)
-        l_i = p.sum(axis=1)
-        acc = plgpu.layout_cast(jnp.full((BLOCK_Q, head_dim), 0, jnp.float32), plgpu.Layout.WGMMA)
-        carry = (acc, m_i, l_i, p.astype(dtype))
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_ij, l_i
 
-        def kv_step(step, carry, masked: bool):
-            acc, m_i, l_i, p_prev = carry
-            slot, prev = slot_of(step), slot_of(step - 1)
-            plgpu.barrier_wait(k_ready.at[slot])
-            plgpu.barrier_wait(v_ready.at[prev])
+        carry = lax.fori_loop(0, full, functools.partial(kv_step, masked=False), (acc, m_i, l_i))
+        acc, m_i, l_i = lax.fori_loop(full, steps, functools.partial(kv_step, masked=True), carry)
 
-            def matmuls_and_softmax(refs):
-                o_ref, s_ref, m_ref, l_ref, alpha_ref = refs
-                take_turn()
-                issue_qk(s_ref, step)
-                plgpu.wgmma(o_ref, p_prev, v_smem.at[prev])
-                pass_turn()
-                s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # the QK matmul is done, PV may not be
-                plgpu.barrier_arrive(k_free.at[slot])
-                p, m_new, alpha = softmax(s, step, m_i, masked)
-                # The probabilities stay in float32 (in the logits' registers) until the PV matmul,
-                # which reads the previous ones from registers, is done: overwriting those while it
-                # runs would make ptxas serialize every wgmma.
-                s_ref[...] = p
-                m_ref[...] = m_new
-                l_ref[...] = l_i * alpha + p.sum(axis=1)
-                alpha_ref[...] = alpha
-
-            logits = plgpu.layout_cast(jnp.zeros((BLOCK_Q, BLOCK_KV), jnp.float32), plgpu.Layout.WGMMA)
-            # run_state waits for both matmuls when it ends, after the softmax.
-            o, p, m_i, l_i, alpha = pl.run_state(matmuls_and_softmax)(
-                (plgpu.ACC.init(acc), plgpu.ACC.init(logits), m_i, l_i, m_i))
-            plgpu.barrier_arrive(v_free.at[prev])
-            return o * lax.broadcast_in_dim(alpha, o.shape, [0]), m_i, l_i, p.astype(dtype)
-
-        carry = lax.fori_loop(1, full, functools.partial(kv_step, masked=False), carry)
-        acc, m_i, l_i, p_prev = lax.fori_loop(full, steps, functools.partial(kv_step, masked=True), carry)
-        last = slot_of(steps - 1)
-        plgpu.barrier_wait(v_ready.at[last])
-
-        def last_pv(o_ref):
-            take_turn()
-            plgpu.wgmma(o_ref, p_prev, v_smem.at[last])
-            pass_turn()
-
-        acc = pl.run_state(last_pv)(plgpu.ACC.init(acc))
-        plgpu.barrier_arrive(v_free.at[last])
-
-        @pl.loop(steps, loaded)
+        @pl.loop(steps, num_kb)
         def _release(step):  # key blocks only the other warpgroup's rows see
             slot = slot_of(step)  # waited for all the same: every load lands before the program ends
             plgpu.barrier_wait(k_ready.at[slot])
             plgpu.barrier_arrive(k_free.at[slot])
             plgpu.barrier_wait(v_ready.at[slot])
             plgpu.barrier_arrive(v_free.at[slot])
-            take_turn()  # as many turns as the other warpgroup takes
-            pass_turn()
+            schedule_barrier()
+            schedule_barrier()
 
+        pl.when(wg == 0)(schedule_barrier)
         # Rows without keys (padding tokens) have l = acc = 0: their output is 0.
         l_i = jnp.maximum(l_i, jnp.float32(1e-30))
         acc /= lax.broadcast_in_dim(l_i, (BLOCK_Q, head_dim), [0])
@@ -242,9 +205,8 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale: fl
     def _memory():
         plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
         kv_head = lax.div(head, jnp.int32(group))
-        table_row = jnp.clip(seq, 0, num_seqs - 1)  # padding blocks have no sequence (-1)
 
-        @pl.loop(0, loaded)
+        @pl.loop(0, num_kb)
         def _load(step):
             slot = lax.rem(step, jnp.int32(stages))
 
@@ -255,7 +217,7 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale: fl
 
             for j in range(pages_per_block):
                 index = jnp.minimum(step * pages_per_block + j, pages_per_seq - 1)
-                page = jnp.maximum(bt_ref[table_row, index], 0)
+                page = jnp.maximum(bt_ref[seq, index], 0)
                 rows = pl.ds(j * page_size, page_size)
                 plgpu.copy_gmem_to_smem(k_ref.at[kv_head, page], k_smem.at[slot, rows], k_ready.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[kv_head, page], v_smem.at[slot, rows], v_ready.at[slot])
@@ -322,7 +284,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale:
              plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
              plgpu.Barrier(num_barriers=COMPUTE_WGS)),
             (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2,
-            plgpu.Barrier(num_barriers=COMPUTE_WGS),  # whose turn it is to issue matmuls
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS),
             collective_axes="wg",
         )
 
