@@ -179,9 +179,10 @@ def decode_sweep(bandwidth):
     by kernel time, each kernel's own time listed."""
     from jaxinfer.kernels.moe.grouped_pallas import KernelTuning as T
 
-    configs = [{}, dict(down_tuning=T(64, 128, 4, 4)), dict(down_tuning=T(32, 256, 4, 3)),
-               dict(gate_up_tuning=T(32, 256, 4, 3)), dict(gate_up_tuning=T(16, 128, 4, 4)),
-               dict(down_tuning=T(16, 128, 4, 4))]
+    configs = [{}, dict(down_tuning=T(64, 128, 4, 4)), dict(down_tuning=T(32, 128, 2, 4)),
+               dict(down_tuning=T(32, 256, 4, 3)), dict(gate_up_tuning=T(64, 128, 4, 4)),
+               dict(gate_up_tuning=T(32, 256, 4, 3)),
+               dict(down_tuning=T(64, 128, 4, 4), gate_up_tuning=T(64, 128, 4, 4))]
     rows = []
     for name, shape in SHAPES.items():
         act = shape["activation"]

@@ -118,6 +118,7 @@ def test_grouping(num_tokens, top_k, num_experts, block_m, dist):
     for b in range(used):
         rows = blocks[b][blocks[b] >= 0]
         assert len(rows) > 0 and (flat[rows] == block_expert[b]).all()
+        assert (np.diff(rows) > 0).all()  # stable: an expert's pairs keep their order
         # Real rows first within a block: padding only at the end of an expert's group.
         assert (blocks[b][: len(rows)] >= 0).all()
     if dist == "uneven":
@@ -158,7 +159,7 @@ def test_default_block_sizes(hidden, inter, num_tokens, top_k, num_experts):
         for b, dim in ((c["block_n"], n_dim), (c["block_k"], k_dim)):
             assert b >= 16 and b & (b - 1) == 0
         assert k_dim % c["block_k"] == 0  # the reduction runs without masking at the real shapes
-        assert -(-n_dim // c["block_n"]) * c["block_n"] <= 1.05 * n_dim  # masked columns: at most 5%
+        assert -(-n_dim // c["block_n"]) * c["block_n"] <= 1.125 * n_dim  # masked columns: at most 1/8
         assert c["num_warps"] in (4, 8) and 1 <= c["num_stages"] <= 4
 
 
