@@ -117,8 +117,8 @@ def default_block_sizes(num_tokens: int, top_k: int, num_experts: int, hidden: i
     elif block_m == 64:
         gate_up = dict(block_n=64, block_k=64, num_warps=4, num_stages=4)
         down = dict(block_n=128, block_k=64, num_warps=4, num_stages=4)
-    else:  # the fastest in scripts/moe_check.py --sweep on the H200 at both models' shapes (down: 4 stages
-        # since an A/B in one run, benchmarks/results/2026-11-29-h200-r5/moe_defaults_ab.json)
+    else:  # the fastest on the H200 at both models' shapes: scripts/moe_check.py --sweep, and for down's
+        # 4 stages an A/B in one run (benchmarks/results/2026-11-29-h200-r5/moe_defaults_ab.json)
         gate_up = dict(block_n=128, block_k=64, num_warps=8, num_stages=4)
         down = dict(block_n=256, block_k=64, num_warps=8, num_stages=4)
     gate_up.update(block_n=_fit(inter, gate_up["block_n"], pad_ok=True), block_k=_fit(hidden, gate_up["block_k"]))
