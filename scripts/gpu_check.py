@@ -243,9 +243,10 @@ def packed_sequences(batch, seq_len, heads, kv_heads, head_dim, page_size, dtype
     return q, k, v, md
 
 
-def prefill_checks(flops_rate):
+def prefill_checks(flops_rate, page_sizes=(16,)):
     """Ragged prefill (the GPU default: the Mosaic GPU kernel where it applies, else the Triton one):
-    parity, then causal benchmarks next to the Triton kernel, cuDNN and jax's Pallas mha."""
+    parity, then causal benchmarks next to the Triton kernel, cuDNN and jax's Pallas mha, with the
+    cache in pages of each of ``page_sizes`` (the dense contenders are timed again beside each)."""
     from jax.experimental.pallas.ops.gpu.attention import mha as jax_mha
 
     from jaxinfer.kernels import attention
@@ -286,9 +287,9 @@ def prefill_checks(flops_rate):
                                   "kernel": "mosaic_gpu" if prefill_mgpu.supports(q, k, **extra) else "triton",
                                   "max_abs_err": err, "ok": bool(err < tol)})
     print("prefill parity ok:", all(r["ok"] for r in out["parity"]), flush=True)
-    for batch, seq_len, heads in ((2, 2048, 16), (1, 8192, 32)):
+    for page_size, (batch, seq_len, heads) in itertools.product(page_sizes, ((2, 2048, 16), (1, 8192, 32))):
         flops = 4 * batch * heads * seq_len * seq_len * 128 / 2  # causal: half the square
-        q, k, v, md = packed_sequences(batch, seq_len, heads, heads, 128, 16, jnp.bfloat16)
+        q, k, v, md = packed_sequences(batch, seq_len, heads, heads, 128, page_size, jnp.bfloat16)
         dense_q = jax.random.normal(jax.random.PRNGKey(1), (batch, seq_len, heads, 128), jnp.bfloat16)
         contenders = {
             "ours": (functools.partial(attention.ragged_paged_attention, scale=128**-0.5), (q, k, v, md)),
@@ -297,7 +298,8 @@ def prefill_checks(flops_rate):
                       (dense_q, dense_q, dense_q)),
             "jax_pallas_mha": (functools.partial(jax_mha, segment_ids=None, causal=True), (dense_q, dense_q, dense_q)),
         }
-        row = {"batch": batch, "seq_len": seq_len, "heads": heads, "matmul_peak_tflops": flops_rate / 1e12}
+        row = {"batch": batch, "seq_len": seq_len, "heads": heads, "page_size": page_size,
+               "matmul_peak_tflops": flops_rate / 1e12}
         for name, (fn, args) in contenders.items():
             row[f"{name}_tflops"] = flops / device_time(fn, *args, iters=10) / 1e12
         # The attention kernels alone, from a trace: without the timing loop, cuDNN's memset, or our
@@ -319,6 +321,8 @@ def main():
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="also sweep decode kernel block sizes")
     parser.add_argument("--sweep-prefill", action="store_true", help="also sweep prefill kernel block sizes")
+    parser.add_argument("--prefill-page-sizes", type=int, nargs="+", default=[16],
+                        help="cache page sizes of the causal prefill benchmarks")
     parser.add_argument("--sweep-splits", action="store_true", help="also sweep decode split counts at short contexts")
     args = parser.parse_args()
     result = {"environment": environment()}
@@ -340,7 +344,7 @@ def main():
         write_json("gpu_check.json", result)
         result["split_sweep"] = split_sweep(result["copy_bandwidth_TBps"] * 1e12)
     if not args.skip_prefill:
-        result["prefill"] = prefill_checks(result["bf16_matmul_TFLOPs"] * 1e12)
+        result["prefill"] = prefill_checks(result["bf16_matmul_TFLOPs"] * 1e12, args.prefill_page_sizes)
     if args.sweep_prefill:
         write_json("gpu_check.json", result)
         result["prefill_sweep"] = prefill_sweep(result["bf16_matmul_TFLOPs"] * 1e12)
