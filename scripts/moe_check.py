@@ -18,7 +18,7 @@ from benchlib import (copy_bandwidth, device_time, environment, kernel_breakdown
                       timer_overhead, write_json)
 
 from jaxinfer.kernels.moe import reference  # noqa: E402
-from jaxinfer.kernels.moe import grouped_pallas, router_pallas  # noqa: E402
+from jaxinfer.kernels.moe import grouped_pallas, grouping, grouping_pallas, router_pallas  # noqa: E402
 
 SHAPES = {
     "qwen3-30b-a3b": dict(experts=128, top_k=8, hidden=2048, inter=768, activation="silu", bias=False),
@@ -51,7 +51,15 @@ def parity(token_counts=(1, 8, 64, 4096)):
             out = grouped_pallas.moe_mlp(x, ids, weights, **params, activation=shape["activation"],
                                          distinct_experts=True)
             err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)) / (jnp.max(jnp.abs(ref)) + 1e-6))
-            rows.append({"shape": name, "tokens": tokens, "max_rel_err": err, "ok": bool(err < 3e-2)})
+            row = {"shape": name, "tokens": tokens, "max_rel_err": err, "ok": bool(err < 3e-2)}
+            if tokens * shape["top_k"] > grouped_pallas.DECODE_ROWS:  # prefill: the grouping kernels, exactly
+                block_m = grouped_pallas.default_block_sizes(tokens, shape["top_k"], shape["experts"], shape["hidden"],
+                                                             shape["inter"])["block_m"]
+                want = grouping.group_by_expert(ids, shape["experts"], block_m)
+                got = grouping_pallas.group_by_expert(ids, shape["experts"], block_m)
+                row["grouping_equal"] = all(bool(jnp.array_equal(a, b)) for a, b in zip(want, got))
+                row["ok"] = row["ok"] and row["grouping_equal"]
+            rows.append(row)
             print(rows[-1], flush=True)
     return rows
 
@@ -105,6 +113,7 @@ def benchmarks(bandwidth, flops_rate, token_counts=(1, 8, 64, 4096)):
                 row.update(ours_tflops=flops / ours / 1e12, xla_ragged_dot_tflops=flops / xla / 1e12,
                            dense_matmul_tflops=flops_rate / 1e12, fraction_of_dense=flops / ours / flops_rate)
                 row.update(_mgpu(shape, x, ids, params, flops))
+                row["kernels_us"] = kernel_breakdown(op, x, ids, weights, params)  # where the op's time goes
             else:
                 touched = len(np.unique(np.asarray(ids)))
                 expert_bytes = touched * 3 * shape["hidden"] * shape["inter"] * 2

@@ -20,6 +20,7 @@ from jaxinfer.kernels.attention.prefill_pallas import ragged_paged_attention
 from jaxinfer.kernels.attention.rotary_pallas import rotary_cache_write
 from jaxinfer.kernels.linear.skinny_pallas import project
 from jaxinfer.kernels.moe.grouped_pallas import moe_mlp
+from jaxinfer.kernels.moe.grouping_pallas import group_by_expert
 from jaxinfer.kernels.moe.router_pallas import route
 from jaxinfer.kernels.norm.rms_norm_pallas import add_rms_norm
 
@@ -111,13 +112,21 @@ def test_gpu_prefill_picks_the_kernel_that_takes_the_call(monkeypatch, options, 
     assert chosen == expected
 
 
-@pytest.mark.parametrize("tokens, experts, top_k, hidden, inter", [(1, 128, 8, 2048, 768), (4096, 128, 8, 2048, 768),
-                                                                  (8, 32, 4, 2880, 2880)])
-def test_moe_lowers(tokens, experts, top_k, hidden, inter):
+@pytest.mark.parametrize("tokens, experts, top_k, hidden, inter, grouping_kernels", [
+    (1, 128, 8, 2048, 768, False), (4096, 128, 8, 2048, 768, True),
+    (8, 32, 4, 2880, 2880, True)])  # 32 pairs over blocks of 16 rows, distinct experts not promised
+def test_moe_lowers(tokens, experts, top_k, hidden, inter, grouping_kernels):
     text = _lower_for_gpu(moe_mlp, S((tokens, hidden), BF16), S((tokens, top_k), I32), S((tokens, top_k), BF16),
                           S((experts, inter, hidden), BF16), S((experts, inter, hidden), BF16),
                           S((experts, hidden, inter), BF16))
     assert "moe_gate_up" in text and "moe_down" in text
+    assert ("moe_group_place" in text) == grouping_kernels
+
+
+@pytest.mark.parametrize("pairs, experts, block_m", [(32768, 128, 128), (1000, 300, 16), (16384, 32, 128)])
+def test_moe_grouping_lowers(pairs, experts, block_m):
+    text = _lower_for_gpu(lambda ids: group_by_expert(ids, experts, block_m), S((pairs, 1), I32))
+    assert "moe_group_count" in text and "moe_group_place" in text
 
 
 @pytest.mark.parametrize("router, tokens, experts, top_k", [("softmax_topk", 1, 128, 8), ("topk_softmax", 4096, 32, 4),

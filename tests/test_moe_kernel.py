@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.kernels.moe import grouped_pallas, reference
+from jaxinfer.kernels.moe import grouped_pallas, grouping, grouping_pallas, reference
 
 
 def make_ids(rng, num_tokens, top_k, num_experts, dist):
@@ -92,10 +92,10 @@ def test_matches_reference(case):
 ])
 def test_grouping(num_tokens, top_k, num_experts, block_m, dist):
     ids = make_ids(np.random.RandomState(1), num_tokens, top_k, num_experts, dist)
-    g = grouped_pallas.group_by_expert(jnp.asarray(ids), num_experts, block_m)
+    g = grouping.group_by_expert(jnp.asarray(ids), num_experts, block_m)
     row_pair, block_expert, pair_row = (np.asarray(a) for a in g)
     num_pairs = num_tokens * top_k
-    nb = grouped_pallas.num_row_blocks(num_pairs, num_experts, block_m)
+    nb = grouping.num_row_blocks(num_pairs, num_experts, block_m)
     assert nb <= -(-num_pairs // block_m) + num_experts
     assert row_pair.shape == (nb * block_m,) and block_expert.shape == (nb,) and pair_row.shape == (num_pairs,)
 
@@ -133,7 +133,7 @@ def test_decode_reads_each_touched_expert_once(num_tokens, top_k, num_experts):
     assert num_tokens * top_k <= grouped_pallas.DECODE_ROWS and 16 <= block_m <= 32
     rng = np.random.RandomState(2)
     ids = make_ids(rng, num_tokens, top_k, num_experts, "uniform")
-    g = grouped_pallas.group_by_expert(jnp.asarray(ids), num_experts, block_m)
+    g = grouping.group_by_expert(jnp.asarray(ids), num_experts, block_m)
     block_expert = np.asarray(g.block_expert)
     touched = np.unique(ids)
     used = block_expert[block_expert >= 0]
@@ -179,8 +179,23 @@ def test_few_token_grouping_equals_the_sorted_one(num_tokens, top_k, num_experts
     """The comparison-based grouping for decode-sized steps gives exactly the sort-based result."""
     ids = jnp.asarray(make_ids(np.random.RandomState(4), num_tokens, top_k, num_experts, dist))
     block_m = max(16, num_tokens)
-    want = grouped_pallas.group_by_expert(ids, num_experts, block_m)
-    got = grouped_pallas.group_few_by_expert(ids, num_experts, block_m)
+    want = grouping.group_by_expert(ids, num_experts, block_m)
+    got = grouping.group_few_by_expert(ids, num_experts, block_m)
+    for name, a, b in zip(want._fields, want, got):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=name)
+
+
+@pytest.mark.parametrize("num_tokens, top_k, num_experts, block_m, dist", [
+    (100, 4, 8, 16, "uneven"),     # several chunks, a multi-block expert, idle experts
+    (300, 8, 128, 32, "uniform"),  # many experts: blocks past the last used one
+    (70, 3, 20, 16, "duplicates"),  # experts not a power of two; a token's slots on one expert
+    (9, 2, 300, 16, "uniform"),    # more experts than one tile of pairs holds: small chunks
+])
+def test_kernel_grouping_equals_the_sorted_one(num_tokens, top_k, num_experts, block_m, dist):
+    """The two-launch prefill grouping (interpret mode) gives exactly the sort-based result."""
+    ids = jnp.asarray(make_ids(np.random.RandomState(5), num_tokens, top_k, num_experts, dist))
+    want = grouping.group_by_expert(ids, num_experts, block_m)
+    got = grouping_pallas.group_by_expert(ids, num_experts, block_m, interpret=True)
     for name, a, b in zip(want._fields, want, got):
         np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=name)
 
@@ -188,10 +203,10 @@ def test_few_token_grouping_equals_the_sorted_one(num_tokens, top_k, num_experts
 def test_one_token_grouping():
     """One token: row block j holds slot j (its expert), row 0 of the block; every other row is padding."""
     ids = jnp.asarray([[5, 1, 7, 3]], jnp.int32)
-    g = grouped_pallas.group_one_token(ids, 16)
+    g = grouping.group_one_token(ids, 16)
     np.testing.assert_array_equal(np.asarray(g.block_expert), [5, 1, 7, 3])
     np.testing.assert_array_equal(np.asarray(g.pair_row), [0, 16, 32, 48])
     row_pair = np.asarray(g.row_pair).reshape(4, 16)
     np.testing.assert_array_equal(row_pair[:, 0], [0, 1, 2, 3])
     assert (row_pair[:, 1:] == -1).all()
-    assert len(g.block_expert) == grouped_pallas.num_row_blocks(4, 8, 16)
+    assert len(g.block_expert) == grouping.num_row_blocks(4, 8, 16)

@@ -1,22 +1,22 @@
 """Mixture-of-experts MLP as two grouped GEMMs in Pallas (Triton lowering), same semantics as ``reference.py``.
 
-**Grouping** (plain jnp in the jitted wrapper, ``group_by_expert``). The ``N = T * k`` (token, slot)
-assignments are sorted by expert (stable argsort) and each expert's group is padded up to a multiple
-of ``block_m`` rows (*block-aligned padding*), so every *row block* of ``block_m`` consecutive padded
-rows belongs to one expert. The wrapper keeps, per padded row, the (token, slot) pair it holds (-1 for
-padding), per row block its expert (-1 for blocks past the last used one), and per pair the padded row
-it went to (for the combine). An expert with ``n`` rows takes ``cdiv(n, block_m)`` blocks, so there
-are at most ``(N + min(E, N) * (block_m - 1)) // block_m`` row blocks in use (at most
-``cdiv(N, block_m) + E``): that static bound is the grid size, and the unused blocks at its end return
-at once.
+**Grouping** (``grouping.py``). The ``N = T * k`` (token, slot) assignments are sorted by expert
+(stably) and each expert's group is padded up to a multiple of ``block_m`` rows (*block-aligned
+padding*), so every *row block* of ``block_m`` consecutive padded rows belongs to one expert. The
+grouping keeps, per padded row, the (token, slot) pair it holds (-1 for padding), per row block its
+expert (-1 for blocks past the last used one), and per pair the padded row it went to (for the
+combine). An expert with ``n`` rows takes ``cdiv(n, block_m)`` blocks, so there are at most
+``(N + min(E, N) * (block_m - 1)) // block_m`` row blocks in use (at most ``cdiv(N, block_m) + E``):
+that static bound is the grid size, and the unused blocks at its end return at once. Prefill groups
+with two Pallas launches (``grouping_pallas.py``); decode with the sort-free forms of ``grouping.py``.
 
 **Kernel A, gate + up + activation**: grid ``(I blocks, row blocks)``. A program reads its block's
-``block_m`` token ids, gathers those rows of ``x`` straight from ``[T, H]`` (pointer arithmetic from the
-index vector: no gathered copy of ``x`` is materialised; padding rows are masked, never loaded), and
-multiplies them by the ``[block_n, block_k]`` tiles of its expert's ``gate`` and ``up`` (nn.Linear
-layout, so ``dot(x, w, trans_b=True)``), walking ``H`` ``block_k`` at a time with two float32
-accumulators. It adds the biases, applies the gated activation in float32 and writes the hidden tile,
-in ``x``'s dtype, to ``[rows, I_pad]``.
+``block_m`` pairs (token = pair // k), gathers those rows of ``x`` straight from ``[T, H]``
+(pointer arithmetic from the index vector: no gathered copy of ``x`` is materialised; padding rows
+are masked, never loaded), and multiplies them by the ``[block_n, block_k]`` tiles of its expert's
+``gate`` and ``up`` (nn.Linear layout, so ``dot(x, w, trans_b=True)``), walking ``H`` ``block_k`` at
+a time with two float32 accumulators. It adds the biases, applies the gated activation in float32
+and writes the hidden tile, in ``x``'s dtype, to ``[rows, I_pad]``.
 
 **Kernel B, down projection**: grid ``(H blocks, row blocks)``. A program multiplies its block's hidden
 rows by its expert's ``[block_n, block_k]`` tiles of ``down`` (walking ``I``), adds the bias, scales
@@ -38,16 +38,13 @@ output-column ``block_n`` keeps its target where that pads the dimension by at m
 Past ``H``/``I`` the weight, bias and ``x`` loads are masked to zero and the two intermediate arrays
 are padded (``I_pad``, ``H_pad``: whole blocks; the hidden's padding columns are written as zeros).
 
-The decode-sized grouping (``group_few_by_expert``) is built from pairwise comparisons rather than a
-sort: at one token the dozen small XLA kernels of the sort path took longer than the expert weights.
-
 **Decode** (``T * k <= 128``): ``block_m = clip(next_pow2(T), 16, 128)``. An expert gets at most ``T``
 rows (top-k picks distinct experts: one row per token that chose it), so every touched expert has
 exactly one row block, and its weights are read exactly once: each ``(I block, row block)`` /
 ``(H block, row block)`` program reads its expert's tile once, and the tiles of one expert are disjoint
 across the column grid. Untouched experts have no row block, so their weights are never read. That
-weight traffic is the whole decode cost, and the narrow ``block_n`` (32) spreads it over enough
-programs to fill the GPU. **Prefill**:
+weight traffic is the whole decode cost, and narrow ``block_n`` (32 for gate and up, 64 for down)
+spread it over enough programs to fill the GPU. **Prefill**:
 ``block_m = clip(next_pow2(2 * N / E), 16, 128)``, about twice the mean expert load: small enough that
 padding stays cheap, large enough that most experts still take one block (weights read about once)
 and big loads get 128-row MMA tiles.
@@ -64,6 +61,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxinfer.kernels.moe import grouping_pallas
+from jaxinfer.kernels.moe.grouping import group_few_by_expert, group_one_token
 from jaxinfer.kernels.moe.reference import gated_activation
 
 DECODE_ROWS = 128  # T * k at or below this is decode-sized: one row block per touched expert
@@ -101,7 +100,8 @@ def default_block_sizes(num_tokens: int, top_k: int, num_experts: int, hidden: i
 
     Returns ``block_m`` and, per kernel (``"gate_up"``, ``"down"``), ``block_n``, ``block_k``,
     ``num_warps``, ``num_stages``. Decode-sized (``block_m <= 32``, memory bound): narrow column blocks
-    (32) for many programs, long ``block_k`` (128) for wide contiguous weight loads, 4 warps, 4 stages.
+    (32; 64 for down, which ran 0.4-4 us faster than 32 at 1 and 8 tokens of both models) for many
+    programs, long ``block_k`` (128) for wide contiguous weight loads, 4 warps, 4 stages.
     Prefill (``block_m`` 64 / 128, compute bound): at 64 rows, 64 (gate and up: two accumulators) or
     128 (down) columns, 4 warps, 4 stages; at 128 rows, 128 or 256 columns, 8 warps, 4 stages;
     ``block_k`` 64.
@@ -113,7 +113,7 @@ def default_block_sizes(num_tokens: int, top_k: int, num_experts: int, hidden: i
         block_m = min(128, max(16, _next_pow2(2 * -(-rows // num_experts))))
     if block_m <= 32:
         gate_up = dict(block_n=32, block_k=128, num_warps=4, num_stages=4)
-        down = dict(block_n=32, block_k=128, num_warps=4, num_stages=4)
+        down = dict(block_n=64, block_k=128, num_warps=4, num_stages=4)
     elif block_m == 64:
         gate_up = dict(block_n=64, block_k=64, num_warps=4, num_stages=4)
         down = dict(block_n=128, block_k=64, num_warps=4, num_stages=4)
@@ -126,12 +126,6 @@ def default_block_sizes(num_tokens: int, top_k: int, num_experts: int, hidden: i
     return dict(block_m=block_m, gate_up=gate_up, down=down)
 
 
-def num_row_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Static bound on the row blocks in use: sum over touched experts of ``cdiv(n_e, block_m)``."""
-    touched = min(num_experts, num_pairs)
-    return max(1, (num_pairs + touched * (block_m - 1)) // block_m)
-
-
 class KernelTuning(NamedTuple):
     """Launch parameters of one of the two kernels; ``None`` fields keep the default."""
 
@@ -139,67 +133,6 @@ class KernelTuning(NamedTuple):
     block_k: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
-
-
-class Grouping(NamedTuple):
-    row_pair: jax.Array  # [NB * block_m] int32: the flat (token * k + slot) of each padded row, -1 padding
-    block_expert: jax.Array  # [NB] int32: the expert of each row block, -1 for unused blocks
-    pair_row: jax.Array  # [T * k] int32: the padded row of each (token, slot)
-
-
-def group_by_expert(expert_ids, num_experts: int, block_m: int) -> Grouping:
-    """Sort the (token, slot) pairs by expert, each expert's group padded to whole ``block_m`` blocks."""
-    flat = expert_ids.reshape(-1).astype(jnp.int32)
-    n = flat.shape[0]
-    nb = num_row_blocks(n, num_experts, block_m)
-    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
-    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    blocks = (sizes + block_m - 1) // block_m
-    block_end = jnp.cumsum(blocks)
-    first_row = (block_end - blocks) * block_m  # each group starts on a block boundary
-    first_pair = jnp.cumsum(sizes) - sizes  # each group's start in the sorted order
-    sorted_experts = flat[order]
-    dest = first_row[sorted_experts] + jnp.arange(n, dtype=jnp.int32) - first_pair[sorted_experts]
-    pair_row = jnp.zeros((n,), jnp.int32).at[order].set(dest)
-    row_pair = jnp.full((nb * block_m,), -1, jnp.int32).at[dest].set(order, mode="drop")
-    # One fused comparison, not the default binary-search scan (a serial loop of tiny kernels on GPU).
-    block_expert = jnp.searchsorted(block_end, jnp.arange(nb, dtype=jnp.int32), side="right",
-                                    method="compare_all").astype(jnp.int32)
-    block_expert = jnp.where(block_expert < num_experts, block_expert, -1)
-    return Grouping(row_pair, block_expert, pair_row)
-
-
-def group_one_token(expert_ids, block_m: int) -> Grouping:
-    """One token: its ``k`` distinct experts each take one row block, in slot order (index arithmetic
-    only; the kernels do not need the blocks sorted by expert)."""
-    flat = expert_ids.reshape(-1).astype(jnp.int32)
-    slot = jnp.arange(flat.shape[0], dtype=jnp.int32)
-    row = jnp.arange(flat.shape[0] * block_m, dtype=jnp.int32)
-    return Grouping(jnp.where(row % block_m == 0, row // block_m, -1), flat, slot * block_m)
-
-
-def group_few_by_expert(expert_ids, num_experts: int, block_m: int) -> Grouping:
-    """``group_by_expert`` for decode-sized steps, where no expert gets more than ``block_m`` rows.
-
-    Same result (blocks in expert order, rows in pair order) from pairwise comparisons of the
-    ``N <= DECODE_ROWS`` pairs instead of a sort and scans: a few fused kernels instead of a dozen
-    small ones, which at one token cost more than the expert weights take to read.
-    """
-    flat = expert_ids.reshape(-1).astype(jnp.int32)
-    n = flat.shape[0]
-    nb = num_row_blocks(n, num_experts, block_m)
-    pair = jnp.arange(n, dtype=jnp.int32)
-    same = flat[:, None] == flat[None, :]
-    rank = (same & (pair[None, :] < pair[:, None])).sum(axis=1).astype(jnp.int32)  # row in the block
-    first = rank == 0  # the first pair of its expert
-    block = (first[None, :] & (flat[None, :] < flat[:, None])).sum(axis=1).astype(jnp.int32)
-    pair_row = block * block_m + rank
-    row = jnp.arange(nb * block_m, dtype=jnp.int32)
-    row_pair = jnp.where(pair_row[None, :] == row[:, None], pair[None, :] + 1, 0).sum(axis=1) - 1
-    b = jnp.arange(nb, dtype=jnp.int32)
-    owner = first[None, :] & (block[None, :] == b[:, None])
-    block_expert = jnp.where(owner, flat[None, :] + 1, 0).sum(axis=1) - 1
-    return Grouping(row_pair.astype(jnp.int32), block_expert.astype(jnp.int32), pair_row)
 
 
 def _load_tile(ref, e, n0, k0, block_n: int, block_k: int, n_size: int, k_size: int, mask_n: bool,
@@ -226,9 +159,9 @@ def _load_bias(ref, e, n0, block_n: int, n_size: int, mask_n: bool, dtype):
     return b.astype(dtype).astype(jnp.float32)
 
 
-def _gate_up_kernel(expert_ref, tok_ref, x_ref, gate_ref, up_ref, *rest, hidden: int, inter: int, block_k: int,
-                    mask_n: bool, mask_k: bool, has_bias: bool, activation: str, alpha: float, limit: float,
-                    precision):
+def _gate_up_kernel(expert_ref, pair_ref, x_ref, gate_ref, up_ref, *rest, top_k: int, hidden: int, inter: int,
+                    block_k: int, mask_n: bool, mask_k: bool, has_bias: bool, activation: str, alpha: float,
+                    limit: float, precision):
     if has_bias:
         gate_bias_ref, up_bias_ref, h_ref = rest
     else:
@@ -240,9 +173,9 @@ def _gate_up_kernel(expert_ref, tok_ref, x_ref, gate_ref, up_ref, *rest, hidden:
 
     @pl.when(e >= 0)
     def _():
-        tok = tok_ref[...]  # [block_m]: token of each row, -1 on padding rows
-        rows = jnp.broadcast_to(jnp.maximum(tok, 0)[:, None], (block_m, block_k))
-        row_ok = jnp.broadcast_to((tok >= 0)[:, None], (block_m, block_k))
+        pair = pair_ref[...]  # [block_m]: (token * k + slot) of each row, -1 on padding rows
+        rows = jnp.broadcast_to((jnp.maximum(pair, 0) // top_k)[:, None], (block_m, block_k))
+        row_ok = jnp.broadcast_to((pair >= 0)[:, None], (block_m, block_k))
         cols = lax.broadcasted_iota(jnp.int32, (block_m, block_k), 1)
 
         def body(kb, acc):
@@ -360,11 +293,10 @@ def moe_mlp(x, expert_ids, expert_weights, gate, up, down, *, gate_bias=None, up
         # No expert has more rows than one block: at most T of them with distinct ids.
         grouping = group_few_by_expert(expert_ids, num_experts, block_m)
     else:
-        grouping = group_by_expert(expert_ids, num_experts, block_m)
+        grouping = grouping_pallas.group_by_expert(expert_ids, num_experts, block_m, interpret=interpret)
     nb = grouping.block_expert.shape[0]
     rows = nb * block_m
     row_pair = grouping.row_pair.reshape(nb, block_m)
-    row_token = jnp.where(row_pair >= 0, row_pair // top_k, -1)
     block_expert = grouping.block_expert[:, None]  # [NB, 1]
 
     precision = lax.Precision.HIGHEST if jnp.dtype(x.dtype) == jnp.float32 else None
@@ -373,7 +305,7 @@ def moe_mlp(x, expert_ids, expert_weights, gate, up, down, *, gate_bias=None, up
 
     # Kernel A: hidden [rows, I_pad] = act(x[rows] @ gate[e].T, x[rows] @ up[e].T).
     has_bias = gate_bias is not None or up_bias is not None
-    inputs = [block_expert, row_token, x, gate, up]
+    inputs = [block_expert, row_pair, x, gate, up]
     in_specs = [
         pl.BlockSpec((None, 1), lambda n, b: (b, 0)),
         pl.BlockSpec((None, block_m), lambda n, b: (b, 0)),
@@ -386,7 +318,7 @@ def moe_mlp(x, expert_ids, expert_weights, gate, up, down, *, gate_bias=None, up
         inputs += [zeros if gate_bias is None else gate_bias, zeros if up_bias is None else up_bias]
         in_specs += [pl.BlockSpec((num_experts, inter), lambda n, b: (0, 0))] * 2
     kernel = functools.partial(
-        _gate_up_kernel, hidden=hidden, inter=inter, block_k=gu["block_k"], mask_n=inter_pad != inter,
+        _gate_up_kernel, top_k=top_k, hidden=hidden, inter=inter, block_k=gu["block_k"], mask_n=inter_pad != inter,
         mask_k=hidden % gu["block_k"] != 0, has_bias=has_bias, activation=activation, alpha=float(alpha),
         limit=float(limit), precision=precision)
     h = pl.pallas_call(
@@ -434,5 +366,4 @@ def moe_mlp(x, expert_ids, expert_weights, gate, up, down, *, gate_bias=None, up
     return out.reshape(num_tokens, top_k, hidden).astype(jnp.float32).sum(axis=1).astype(x.dtype)
 
 
-__all__ = ["DECODE_ROWS", "Grouping", "KernelTuning", "default_block_sizes", "group_by_expert", "group_few_by_expert",
-           "group_one_token", "moe_mlp", "num_row_blocks"]
+__all__ = ["DECODE_ROWS", "KernelTuning", "default_block_sizes", "moe_mlp"]
