@@ -4,8 +4,8 @@ Same semantics as ``reference.ragged_paged_attention`` for causal attention with
 soft-cap or sinks (``supports`` says which calls it takes). The structure follows jax's
 ``attention_mgpu`` (FlashAttention-3's): three warpgroups per program. Two compute warpgroups own
 64 query rows each and run the online softmax with both matmuls on the tensor cores (``wgmma``); the
-third only moves data, loading key/value blocks through TMA into a ring of shared-memory slots that
-the compute warpgroups release once read.
+third only moves data: its first warp loads key/value blocks through TMA into a ring of
+shared-memory slots that the compute warpgroups release once read.
 
 What differs from ``attention_mgpu``:
 
@@ -19,8 +19,9 @@ What differs from ``attention_mgpu``:
   the real rows). Padding tokens (``slot_mapping < 0``) form blocks without keys, whose rows get
   zeros from the kernel itself.
 - **Paged keys.** A key block of 128 keys is ``128 / page_size`` pages, each one TMA copy of a
-  ``[page_size, head_dim]`` page into its rows of the slot; the slot's barrier expects one arrival
-  per page. Pages larger than 128 keys are read as virtual pages of 128 (a free reshape).
+  ``[page_size, head_dim]`` page into its rows of the slot (as are the values); the slot's one
+  barrier expects an arrival per key page and per value page. Pages larger than 128 keys are read
+  as virtual pages of 128 (a free reshape).
 - **Key range.** Keys run to the block's last visible key (``kv_end``: causal and the sequence's
   length); a compute warpgroup whose rows see fewer key blocks releases the remaining slots without
   computing (the memory warpgroup always loads the block's whole range).
@@ -28,8 +29,10 @@ What differs from ``attention_mgpu``:
 
 The attention dispatcher takes this kernel on Hopper GPUs for the calls ``supports`` accepts, the
 Triton kernel (``prefill_pallas``) for the rest. Measured on the H200 (``scripts/gpu_check.py``),
-its kernel runs causal prefill at 0.95-1.03x of cuDNN's kernel and 1.6-1.9x the Triton kernel's
-rate. Tried and not kept, each timed against this kernel in one run:
+its kernel runs causal prefill at 0.98-1.05x of cuDNN's kernel over pages of 16 (0.99-1.05x over
+pages of 64), and its whole op at 1.6-2.1x the Triton kernel's. Merging the K and V barriers and
+issuing the copies from one warp (they were issued by all four) each gained about 1-2%. Tried and
+not kept, each timed against this kernel in one run:
 
 - persistent programs (one per SM looping over blocks in round-robin or snake order): slower, as a
   static order balances the causal blocks' unequal costs worse than the hardware's block scheduler;
@@ -38,11 +41,13 @@ rate. Tried and not kept, each timed against this kernel in one run:
   matmul of block j - 1, the softmax run while PV is in flight): 0.88-0.93x. The probabilities must
   stay in float32 until PV is done: converting them while it runs makes ptxas serialise every wgmma;
 - programs ordered KV head by KV head (so that the programs running at a time share one head's keys
-  in L2): 0.84x at 2 x 2048, unchanged at 1 x 8192.
+  in L2): 0.84x at 2 x 2048, unchanged at 1 x 8192;
+- the copies spread over the memory warpgroup's four warps: 0.99x of one warp.
 
-Nsight Compute at 1 x 8192 against cuDNN's kernel: 2.4% more cycles (and a 2% lower SM clock).
-cuDNN's persistent grid leaves SMs idle 8% of its cycles where ours leaves 1.5%, but in busy
-cycles we need 10% more and issue 25% more instructions.
+Nsight Compute at 1 x 8192 against cuDNN's kernel, before the two changes above: 2.4% more cycles
+(and a 2% lower SM clock). cuDNN's persistent grid leaves SMs idle 8% of its cycles where ours
+leaves 1.5%, but in busy cycles we needed 10% more and issued 25% more instructions. Pages of 128
+still run about 1% faster than pages of 16 (two page copies per key block instead of sixteen).
 """
 
 from __future__ import annotations
@@ -88,7 +93,7 @@ def _load(ref, layout):
 
 def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale: float, group: int, page_size: int,
             stages: int):
-    (qo_smem2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free), schedule = scoped
+    (qo_smem2, k_smem, v_smem), (kv_ready, q_ready), kv_free, schedule = scoped
     head_dim = q_ref.shape[-1]
     num_heads = q_ref.shape[1]
     pages_per_block = BLOCK_KV // page_size
@@ -134,7 +139,7 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale: fl
 
         @pl.when(steps > 0)
         def _():
-            plgpu.barrier_wait(k_ready.at[slot_of(0)])
+            plgpu.barrier_wait(kv_ready.at[slot_of(0)])
 
         pl.when(wg == 1)(schedule_barrier)  # the two warpgroups take the tensor cores in turn
 
@@ -148,7 +153,6 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale: fl
                 return acc_ref[...]
 
             qk = pl.run_scoped(qk_scope, plgpu.ACC((BLOCK_Q, BLOCK_KV), jnp.float32))
-            plgpu.barrier_arrive(k_free.at[slot])
             if masked:  # causal (key <= the row's position) and the sequence's end (key < kv_end)
                 r = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, BLOCK_KV), 0, layout=plgpu.Layout.WGMMA)
                 c = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
@@ -162,7 +166,6 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale: fl
             p16 = p.astype(dtype)
             acc, l_i, m_ij, p16 = lax.optimization_barrier((acc, l_i, m_ij, p16))
             plgpu.barrier_arrive(schedule)  # done with the softmax
-            plgpu.barrier_wait(v_ready.at[slot])
             plgpu.barrier_wait(schedule)  # the tensor cores are free
 
             def pv(acc_ref):
@@ -170,10 +173,10 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale: fl
 
                 @pl.when(step + 1 < steps)
                 def _():
-                    plgpu.barrier_wait(k_ready.at[slot_of(step + 1)])
+                    plgpu.barrier_wait(kv_ready.at[slot_of(step + 1)])
 
             acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-            plgpu.barrier_arrive(v_free.at[slot])
+            plgpu.barrier_arrive(kv_free.at[slot])  # keys and values read
             return acc, m_ij, l_i
 
         carry = lax.fori_loop(0, full, functools.partial(kv_step, masked=False), (acc, m_i, l_i))
@@ -182,10 +185,8 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale: fl
         @pl.loop(steps, num_kb)
         def _release(step):  # key blocks only the other warpgroup's rows see
             slot = slot_of(step)  # waited for all the same: every load lands before the program ends
-            plgpu.barrier_wait(k_ready.at[slot])
-            plgpu.barrier_arrive(k_free.at[slot])
-            plgpu.barrier_wait(v_ready.at[slot])
-            plgpu.barrier_arrive(v_free.at[slot])
+            plgpu.barrier_wait(kv_ready.at[slot])
+            plgpu.barrier_arrive(kv_free.at[slot])
             schedule_barrier()
             schedule_barrier()
 
@@ -214,21 +215,27 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale: fl
         plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
         kv_head = lax.div(head, jnp.int32(group))
 
-        @pl.loop(0, num_kb)
-        def _load(step):
-            slot = lax.rem(step, jnp.int32(stages))
+        # One warp issues the copies: in warpgroup form each copy costs a warpgroup barrier and an
+        # arrival from each of the 128 threads, and the memory warpgroup's four warps then take issue
+        # slots from the compute warpgroups (1-2% of the kernel's speed with pages of 16 or 64).
+        @plgpu.warp_map
+        def _per_warp(warp):
+            @pl.when(warp == 0)
+            def _():
+                @pl.loop(0, num_kb)
+                def _load(step):
+                    slot = lax.rem(step, jnp.int32(stages))
 
-            @pl.when(step >= stages)
-            def _():  # the slot's previous key block has been read by both warpgroups
-                plgpu.barrier_wait(k_free.at[slot])
-                plgpu.barrier_wait(v_free.at[slot])
+                    @pl.when(step >= stages)
+                    def _():  # the slot's previous key block has been read by both warpgroups
+                        plgpu.barrier_wait(kv_free.at[slot])
 
-            for j in range(pages_per_block):
-                index = jnp.minimum(step * pages_per_block + j, pages_per_seq - 1)
-                page = jnp.maximum(bt_ref[seq, index], 0)
-                rows = pl.ds(j * page_size, page_size)
-                plgpu.copy_gmem_to_smem(k_ref.at[kv_head, page], k_smem.at[slot, rows], k_ready.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[kv_head, page], v_smem.at[slot, rows], v_ready.at[slot])
+                    for j in range(pages_per_block):
+                        index = jnp.minimum(step * pages_per_block + j, pages_per_seq - 1)
+                        page = jnp.maximum(bt_ref[seq, index], 0)
+                        rows = pl.ds(j * page_size, page_size)
+                        plgpu.copy_gmem_to_smem(k_ref.at[kv_head, page], k_smem.at[slot, rows], kv_ready.at[slot])
+                        plgpu.copy_gmem_to_smem(v_ref.at[kv_head, page], v_smem.at[slot, rows], kv_ready.at[slot])
 
 
 def block_schedule(md: AttentionMetadata, *, page_size: int, pages_per_seq: int) -> jax.Array:
@@ -288,10 +295,11 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale:
             (plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, head_dim), q.dtype),
              plgpu.SMEM((stages, BLOCK_KV, head_dim), q.dtype, transforms=transforms),
              plgpu.SMEM((stages, BLOCK_KV, head_dim), q.dtype, transforms=transforms)),
-            (plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
-             plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
+            # A slot is ready when its key and value pages have all landed (one arrival per page copy)
+            # and free when both compute warpgroups have read its values (after its keys).
+            (plgpu.Barrier(num_arrivals=2 * pages_per_block, num_barriers=stages),
              plgpu.Barrier(num_barriers=COMPUTE_WGS)),
-            (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2,
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS),
             collective_axes="wg",
         )
