@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.kernels.attention import reference
+from jaxinfer.kernels.attention import reference, rotary_pallas
 from jaxinfer.kernels.attention.rotary_pallas import rotary_cache_write
 
 
@@ -36,8 +36,13 @@ def _case(num_tokens, heads, kv_heads, head_dim, rotary_dim, dtype, seed=0):
     (8, 2, 64, 32, False),    # partial rotary: the last 32 dims pass through
     (6, 2, 32, 32, True),     # 6 heads: not a power of two, the reference runs
 ])
-def test_matches_reference(dtype, heads, kv_heads, head_dim, rotary_dim, qk_norm):
-    args, norms = _case(5, heads, kv_heads, head_dim, rotary_dim, dtype)
+# Few tokens take one program per (token, KV head), more one per token; the token counts differ so
+# that each layout gets its own trace.
+@pytest.mark.parametrize("num_tokens, split_heads_below", [(5, 256), (7, 4)])
+def test_matches_reference(dtype, heads, kv_heads, head_dim, rotary_dim, qk_norm, num_tokens, split_heads_below,
+                           monkeypatch):
+    monkeypatch.setattr(rotary_pallas, "SPLIT_HEADS_BELOW", split_heads_below)
+    args, norms = _case(num_tokens, heads, kv_heads, head_dim, rotary_dim, dtype)
     options = dict(norms, norm_eps=1e-6) if qk_norm else {}
     want = reference.rotary_cache_write(*args, **options)
     copies = [jnp.array(a) for a in args]  # the kernel donates its caches
