@@ -30,9 +30,9 @@ What differs from ``attention_mgpu``:
 The attention dispatcher takes this kernel on Hopper GPUs for the calls ``supports`` accepts, the
 Triton kernel (``prefill_pallas``) for the rest. Measured on the H200 (``scripts/gpu_check.py``),
 its kernel runs causal prefill at 0.98-1.05x of cuDNN's kernel over pages of 16 (0.99-1.05x over
-pages of 64), and its whole op at 1.6-2.1x the Triton kernel's. Merging the K and V barriers and
-issuing the copies from one warp (they were issued by all four) each gained about 1-2%. Tried and
-not kept, each timed against this kernel in one run:
+pages of 64), and its whole op at 1.6-2.1x the Triton kernel's. Merging the K and V barriers gained
+about 1%, issuing the copies from one warp (they were issued by all four) 1-2% more. Tried and not
+kept, each timed against this kernel in one run:
 
 - persistent programs (one per SM looping over blocks in round-robin or snake order): slower, as a
   static order balances the causal blocks' unequal costs worse than the hardware's block scheduler;

@@ -17,7 +17,10 @@ consecutive pairs and:
    the stable order. It scatters each pair into its row and writes each block's expert.
 
 Every tensor a program holds is a power-of-two tile of at most ``_TILE_ELEMENTS`` elements; experts
-are padded to a power of two inside the kernels (their counts are 0).
+are padded to a power of two inside the kernels (their counts are 0). Each place program reads the
+counts of every chunk, so that kernel's L2 traffic grows with the square of the chunk count: 256
+chunks (4096 tokens x top-8, 128 experts) read 32 MB and took 14 us on the H200; at many times
+that, a separate prefix sum over the chunks would be the cheaper form.
 """
 
 from __future__ import annotations
