@@ -11,6 +11,8 @@ from jaxinfer.kernels.moe import reference, router_pallas
 
 ROUTER_OPTIONS = {
     "softmax_topk": dict(router="softmax_topk", norm_topk_prob=True),
+    # norm_eps belongs to the sigmoid router's normalisation alone: the softmax router ignores it.
+    "softmax_topk_given_eps": dict(router="softmax_topk", norm_topk_prob=True, norm_eps=1e-3),
     "softmax_topk_unnormalised": dict(router="softmax_topk", norm_topk_prob=False),
     "topk_softmax": dict(router="topk_softmax"),
     "sigmoid_bias": dict(router="sigmoid_bias", norm_topk_prob=True, norm_eps=1e-20, routed_scaling_factor=2.5),

@@ -42,12 +42,22 @@ kept, each timed against this kernel in one run:
   stay in float32 until PV is done: converting them while it runs makes ptxas serialise every wgmma;
 - programs ordered KV head by KV head (so that the programs running at a time share one head's keys
   in L2): 0.84x at 2 x 2048, unchanged at 1 x 8192;
-- the copies spread over the memory warpgroup's four warps: 0.99x of one warp.
+- the copies spread over the memory warpgroup's four warps: 0.99x of one warp;
+- key blocks of 192 in 2 stages (the most that fits in shared memory): ptxas spills registers
+  (576 bytes), 0.71-0.82x at 1 x 8192;
+- the compute warpgroups meeting on a hardware named barrier (``bar.sync``) instead of the
+  ``schedule`` mbarrier (every use of which is an arrival followed at once by a wait): 0.85x;
+- the softmax row sums on the tensor cores (``p @ ones`` beside ``p @ V``, in place of 64 adds per
+  thread per key block): 1.00x at 1 x 8192, 0.98x at 2 x 2048. Per key block a compute thread runs
+  about 64 each of ``ex2``, ``fma``, ``max``, ``mul`` (the rescale) and ``add`` (the row sums), 32 ``cvt``
+  and 8 shuffles (from the PTX): FlashAttention's minimum, so fewer softmax instructions alone do
+  not close the gap to cuDNN.
 
-Nsight Compute at 1 x 8192 against cuDNN's kernel, before the two changes above: 2.4% more cycles
-(and a 2% lower SM clock). cuDNN's persistent grid leaves SMs idle 8% of its cycles where ours
-leaves 1.5%, but in busy cycles we needed 10% more and issued 25% more instructions. Pages of 128
-still run about 1% faster than pages of 16 (two page copies per key block instead of sixteen).
+Nsight Compute at 1 x 8192 against cuDNN's kernel, before the merged barriers and the one-warp
+copies: 2.4% more cycles (and a 2% lower SM clock). cuDNN's persistent grid leaves SMs idle 8% of its
+cycles where ours leaves 1.5%, but in busy cycles we needed 10% more and issued 25% more
+instructions. Pages of 128 still run about 1% faster than pages of 16 (two page copies per key block
+instead of sixteen).
 """
 
 from __future__ import annotations

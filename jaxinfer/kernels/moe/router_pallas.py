@@ -80,8 +80,9 @@ def _kernel(logits_ref, *rest, router: str, top_k: int, norm_topk_prob: bool, no
         weights = unnormalized / unnormalized.sum(axis=1, keepdims=True)
     else:
         weights = jnp.where(in_k, values, 0.0)
-        if norm_topk_prob:
-            weights = weights / (weights.sum(axis=1, keepdims=True) + norm_eps)
+        if norm_topk_prob:  # as in the reference, only the sigmoid router's normalisation adds an epsilon
+            eps = norm_eps if router == "sigmoid_bias" else 0.0
+            weights = weights / (weights.sum(axis=1, keepdims=True) + eps)
         if router == "sigmoid_bias":
             weights = weights * scaling
     weights_ref[...] = weights

@@ -1,0 +1,146 @@
+"""The GPU kernels inside the engine, end to end, in bfloat16: each family's random checkpoint generates
+greedily with the kernels (the GPU default), and with every op's plain-jnp reference in bfloat16 and
+in float32; the kernels must be as close to the float32 run as the bfloat16 reference is.
+
+The kernel checks (``gpu_check.py``, ``moe_check.py``) compare each kernel with its reference op by op;
+the float32 model tests compare the references with transformers. This closes the gap between them:
+whole models at head_dim 128 in bfloat16 (the dtype the Mosaic GPU prefill kernel takes), ragged
+prompts that are not multiples of the page size, chunked over several prefill steps, then decode
+steps, through the engine's own scheduler, cache and compiled buckets. The checkpoints hold
+bfloat16-representable weights, so the float32 run computes with the same weights. The reference runs
+happen in processes of their own (the op dispatchers are chosen when the engine traces its steps).
+
+bfloat16 results drift from float32 ones (sums in another order, rounded intermediates), and a
+near-tie may flip a token, after which the runs are not comparable. So each bfloat16 run is compared
+with the float32 run over the tokens all three runs agree on: the largest difference of the chosen
+tokens' logprobs (its *drift*). The first token comes from the prefill kernels, the rest from the
+decode kernels. A family passes where the kernels' largest drift over its requests is at most twice
+the bfloat16 reference's plus 0.01. The verdict is per family, not per request: a near-tie among a
+MoE router's scores flips an expert in one bfloat16 run and not the other, which moves that request's
+logprobs far more than rounding does (random routers score experts closely). On the H200 the bfloat16
+reference itself drifted 0.13 on one MiniMax-M2 request and 0.006 on another, the kernels 0.009 and
+0.07 on the same two.
+
+    PYTHONPATH=. python3 scripts/model_check.py          # writes model_check.json to $JAXINFER_BENCH_DIR (or .)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import KERNEL_FAMILIES, environment, force_reference, write_json  # noqa: E402
+
+_SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=2, num_attention_heads=8,
+              num_key_value_heads=2, head_dim=128, max_position_embeddings=4096, dtype="bfloat16")
+FAMILIES = {  # family -> its tiny checkpoint's overrides (the families' distinct ops, at realistic head sizes)
+    "llama": {},
+    "qwen3": {},  # per-head q/k norm fused into RoPE + cache write, tied embeddings
+    "mistral": dict(sliding_window=384),  # windowed prefill (the Triton kernel) and decode
+    "qwen3_moe": dict(num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256),
+    "minimax_m2": dict(num_local_experts=32, num_experts_per_tok=4, intermediate_size=256, rotary_dim=64),
+}
+PROMPT_LENGTHS = (213, 700, 1500)
+MAX_TOKENS = 24
+RUNS = ("kernels", "reference_bfloat16", "reference_float32")
+
+
+def write_checkpoint(path: str, family: str) -> None:
+    """The family's tiny checkpoint at the check's shape, its weights rounded to bfloat16 values."""
+    import jax.numpy as jnp
+    from safetensors.numpy import load_file, save_file
+
+    from jaxinfer.tiny import write_tiny_checkpoint
+
+    write_tiny_checkpoint(path, family, seed=1, **{**_SHAPE, **FAMILIES[family]})
+    weights = os.path.join(path, "model.safetensors")
+    rounded = {k: np.asarray(jnp.asarray(v, jnp.bfloat16).astype(jnp.float32)) for k, v in load_file(weights).items()}
+    save_file(rounded, weights, metadata={"format": "pt"})
+
+
+def generate(checkpoint: str, dtype: str) -> list[dict]:
+    from jaxinfer import LLM, SamplingParams
+
+    llm = LLM(checkpoint, dtype=dtype, max_model_len=2048, max_num_batched_tokens=1024, show_progress=False,
+              warmup=False)  # compile only the buckets these requests use
+    rng = np.random.RandomState(0)
+    prompts = [rng.randint(3, llm.config.vocab_size, size=n).tolist() for n in PROMPT_LENGTHS]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    return [{"tokens": list(o.token_ids), "logprobs": [lp[t] for lp, t in zip(o.logprobs, o.token_ids)]}
+            for o in outputs]
+
+
+def _agreeing(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def compare(runs: dict[str, list[dict]]) -> list[dict]:
+    rows = []
+    for i, length in enumerate(PROMPT_LENGTHS):
+        kernels, ref16, ref32 = (runs[name][i] for name in RUNS)
+        common = min(_agreeing(kernels["tokens"], ref32["tokens"]), _agreeing(ref16["tokens"], ref32["tokens"]))
+
+        def drift(run):
+            return max((abs(a - b) for a, b in zip(run["logprobs"][:common], ref32["logprobs"][:common])), default=None)
+
+        row = {"prompt_tokens": length, "tokens_agreeing_with_float32": _agreeing(kernels["tokens"], ref32["tokens"]),
+               "reference_bfloat16_tokens_agreeing": _agreeing(ref16["tokens"], ref32["tokens"]),
+               "compared_tokens": common, "kernels_drift": drift(kernels), "reference_bfloat16_drift": drift(ref16)}
+        rows.append(row)
+    return rows
+
+
+def family_passes(rows: list[dict]) -> bool:
+    """The kernels drift at most twice as far as the bfloat16 reference (plus 0.01) over the family's
+    requests, and every request has a first token to compare."""
+    if any(row["compared_tokens"] == 0 for row in rows):
+        return False
+    worst = lambda key: max(row[key] for row in rows)  # noqa: E731
+    return worst("kernels_drift") <= 2 * worst("reference_bfloat16_drift") + 0.01
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--families", nargs="+", choices=sorted(FAMILIES), default=list(FAMILIES))
+    parser.add_argument("--reference-run", nargs=2, metavar=("DTYPE", "OUT"), help=argparse.SUPPRESS)  # a child
+    args = parser.parse_args()
+    if args.reference_run:  # the checkpoints lie beside the output file
+        dtype, out_file = args.reference_run
+        force_reference(KERNEL_FAMILIES)
+        folder = os.path.dirname(out_file)
+        with open(out_file, "w") as out:
+            json.dump({f: generate(os.path.join(folder, f), dtype) for f in args.families}, out)
+        return
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in args.families:
+            write_checkpoint(os.path.join(tmp, family), family)
+        runs = {}
+        for dtype in ("bfloat16", "float32"):
+            out_file = os.path.join(tmp, f"reference_{dtype}.json")
+            subprocess.run([sys.executable, __file__, "--reference-run", dtype, out_file, "--families", *args.families],
+                           check=True)
+            with open(out_file) as f:
+                runs[f"reference_{dtype}"] = json.load(f)
+        for family in args.families:
+            family_runs = {"kernels": generate(os.path.join(tmp, family), "bfloat16"),
+                           **{name: run[family] for name, run in runs.items()}}
+            rows = compare(family_runs)
+            results[family] = {"requests": rows, "ok": family_passes(rows)}
+            print(family, results[family], flush=True)
+    ok = all(result["ok"] for result in results.values())
+    print("model check ok:", ok)
+    write_json("model_check.json", {"environment": environment(), "max_tokens": MAX_TOKENS, "families": results,
+                                    "ok": ok})
+
+
+if __name__ == "__main__":
+    main()
