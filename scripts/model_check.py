@@ -86,15 +86,15 @@ def compare(runs: dict[str, list[dict]]) -> list[dict]:
     rows = []
     for i, length in enumerate(PROMPT_LENGTHS):
         kernels, ref16, ref32 = (runs[name][i] for name in RUNS)
-        common = min(_agreeing(kernels["tokens"], ref32["tokens"]), _agreeing(ref16["tokens"], ref32["tokens"]))
+        kernels_agree, ref16_agree = (_agreeing(run["tokens"], ref32["tokens"]) for run in (kernels, ref16))
+        common = min(kernels_agree, ref16_agree)
 
         def drift(run):
             return max((abs(a - b) for a, b in zip(run["logprobs"][:common], ref32["logprobs"][:common])), default=None)
 
-        row = {"prompt_tokens": length, "tokens_agreeing_with_float32": _agreeing(kernels["tokens"], ref32["tokens"]),
-               "reference_bfloat16_tokens_agreeing": _agreeing(ref16["tokens"], ref32["tokens"]),
-               "compared_tokens": common, "kernels_drift": drift(kernels), "reference_bfloat16_drift": drift(ref16)}
-        rows.append(row)
+        rows.append({"prompt_tokens": length, "tokens_agreeing_with_float32": kernels_agree,
+                     "reference_bfloat16_tokens_agreeing": ref16_agree, "compared_tokens": common,
+                     "kernels_drift": drift(kernels), "reference_bfloat16_drift": drift(ref16)})
     return rows
 
 
