@@ -22,6 +22,7 @@ reference itself drifted 0.13 on one MiniMax-M2 request and 0.006 on another, th
 0.07 on the same two.
 
     PYTHONPATH=. python3 scripts/model_check.py          # writes model_check.json to $JAXINFER_BENCH_DIR (or .)
+    PYTHONPATH=. python3 scripts/model_check.py --seed 1 # other random checkpoints and prompts
 """
 
 from __future__ import annotations
@@ -52,25 +53,25 @@ MAX_TOKENS = 24
 RUNS = ("kernels", "reference_bfloat16", "reference_float32")
 
 
-def write_checkpoint(path: str, family: str) -> None:
+def write_checkpoint(path: str, family: str, seed: int = 0) -> None:
     """The family's tiny checkpoint at the check's shape, its weights rounded to bfloat16 values."""
     import jax.numpy as jnp
     from safetensors.numpy import load_file, save_file
 
     from jaxinfer.tiny import write_tiny_checkpoint
 
-    write_tiny_checkpoint(path, family, seed=1, **{**_SHAPE, **FAMILIES[family]})
+    write_tiny_checkpoint(path, family, seed=1 + seed, **{**_SHAPE, **FAMILIES[family]})
     weights = os.path.join(path, "model.safetensors")
     rounded = {k: np.asarray(jnp.asarray(v, jnp.bfloat16).astype(jnp.float32)) for k, v in load_file(weights).items()}
     save_file(rounded, weights, metadata={"format": "pt"})
 
 
-def generate(checkpoint: str, dtype: str) -> list[dict]:
+def generate(checkpoint: str, dtype: str, seed: int = 0) -> list[dict]:
     from jaxinfer import LLM, SamplingParams
 
     llm = LLM(checkpoint, dtype=dtype, max_model_len=2048, max_num_batched_tokens=1024, show_progress=False,
               warmup=False)  # compile only the buckets these requests use
-    rng = np.random.RandomState(0)
+    rng = np.random.RandomState(seed)
     prompts = [rng.randint(3, llm.config.vocab_size, size=n).tolist() for n in PROMPT_LENGTHS]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
@@ -110,6 +111,8 @@ def family_passes(rows: list[dict]) -> bool:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", nargs="+", choices=sorted(FAMILIES), default=list(FAMILIES))
+    parser.add_argument("--seed", type=int, default=0,
+                        help="draw other random checkpoints and prompts (0: those of the recorded results)")
     parser.add_argument("--reference-run", nargs=2, metavar=("DTYPE", "OUT"), help=argparse.SUPPRESS)  # a child
     args = parser.parse_args()
     if args.reference_run:  # the checkpoints lie beside the output file
@@ -117,29 +120,29 @@ def main():
         force_reference(KERNEL_FAMILIES)
         folder = os.path.dirname(out_file)
         with open(out_file, "w") as out:
-            json.dump({f: generate(os.path.join(folder, f), dtype) for f in args.families}, out)
+            json.dump({f: generate(os.path.join(folder, f), dtype, args.seed) for f in args.families}, out)
         return
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.families:
-            write_checkpoint(os.path.join(tmp, family), family)
+            write_checkpoint(os.path.join(tmp, family), family, args.seed)
         runs = {}
         for dtype in ("bfloat16", "float32"):
             out_file = os.path.join(tmp, f"reference_{dtype}.json")
-            subprocess.run([sys.executable, __file__, "--reference-run", dtype, out_file, "--families", *args.families],
-                           check=True)
+            subprocess.run([sys.executable, __file__, "--reference-run", dtype, out_file, "--seed", str(args.seed),
+                            "--families", *args.families], check=True)
             with open(out_file) as f:
                 runs[f"reference_{dtype}"] = json.load(f)
         for family in args.families:
-            family_runs = {"kernels": generate(os.path.join(tmp, family), "bfloat16"),
+            family_runs = {"kernels": generate(os.path.join(tmp, family), "bfloat16", args.seed),
                            **{name: run[family] for name, run in runs.items()}}
             rows = compare(family_runs)
             results[family] = {"requests": rows, "ok": family_passes(rows)}
             print(family, results[family], flush=True)
     ok = all(result["ok"] for result in results.values())
     print("model check ok:", ok)
-    write_json("model_check.json", {"environment": environment(), "max_tokens": MAX_TOKENS, "families": results,
-                                    "ok": ok})
+    write_json("model_check.json", {"environment": environment(), "seed": args.seed, "max_tokens": MAX_TOKENS,
+                                    "families": results, "ok": ok})
 
 
 if __name__ == "__main__":

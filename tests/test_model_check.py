@@ -36,3 +36,17 @@ def test_a_family_passes_within_twice_the_bfloat16_drift():
     assert not model_check.family_passes(far)  # 0.04 > 0.03
     first_token_differs = model_check.compare(_runs(_run([4, 6], [-1.0, -2.0]), ref32, ref32))
     assert not model_check.family_passes(first_token_differs)
+
+
+def test_the_seed_draws_other_weights(tmp_path):
+    from safetensors.numpy import load_file
+
+    def weights(seed):
+        path = tmp_path / f"seed{seed}"
+        model_check.write_checkpoint(str(path), "llama", seed)
+        return load_file(str(path / "model.safetensors"))
+
+    first, again, other = weights(0), weights(0), weights(1)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert (first[name] == again[name]).all()
+    assert not (first[name] == other[name]).all()

@@ -16,6 +16,13 @@ model at one token it took 9.5 us for the norm and q/k/v against 1.8 + 7.8 us as
 3.5 us for the norm and router against 1.8 + 1.8. (Timed alone, a projection whose weights fit in
 L2 runs from L2 on repeated calls: Qwen3's q/k/v took 5.1 us there against 7.8 in the model, so
 decode-sized projections are compared inside the model.)
+
+Also tried: a Mosaic GPU projection that issues the TMA copies of its weight slice first, then waits
+for the kernel before it (programmatic dependent launch), then reads x, so that the weight stream
+could overlap that kernel. In a chain of 16 o-projection-sized layers on the H200 the kernel alone
+ran as fast as XLA's (5.8-6.5 us against 5.9 for 16.8 MB), but PDL did not move the chain's time
+beyond noise, and every Mosaic GPU launch cost about 1.4 us more than an XLA kernel's in the chain:
+11.8-12.5 us per layer against XLA's 10.5 (``benchmarks/results/2026-11-29-h200-r8/``).
 """
 
 from __future__ import annotations

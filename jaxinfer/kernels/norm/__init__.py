@@ -2,7 +2,9 @@
 
 ``add_rms_norm`` dispatches by platform: the plain-jnp reference (``reference.py``) on CPU, the
 Pallas kernel (``rms_norm_pallas.py``: the add and the norm in one launch) on GPU.
-``set_implementation("reference")`` forces the reference.
+``set_implementation("reference")`` forces the reference. Inside the Qwen3-30B-A3B decode step at one
+token (H200, both variants in one process), the kernel's step took 3.16 ms against 3.30 with XLA's
+fusion of the reference.
 """
 
 from __future__ import annotations
