@@ -98,6 +98,68 @@ def rotary_checks():
     return rows
 
 
+def rotary_decode_checks():
+    """The fused decode step (q/k norm, RoPE, cache write and attention in the attention kernel) against
+    its reference (the two ops one after the other) on the same bf16 inputs, and its kernels' time next
+    to ``rotary_cache_write`` + ``paged_decode_attention``'s, at Qwen3-30B-A3B, Llama-3-8B and
+    GPT-OSS-like (sinks, window, head dim 64) shapes, ragged lengths, a padding row where batched."""
+    from jaxinfer.kernels.attention.decode_pallas import rotary_paged_decode_attention
+    from jaxinfer.kernels.attention.rotary_pallas import rotary_cache_write
+
+    def unfused(q, k, v, cos, sin, kc, vc, slots, tables, lengths, **options):
+        norms = {name: options.pop(name) for name in ("q_norm", "k_norm") if name in options}
+        q, kc, vc = rotary_cache_write(q, k, v, cos, sin, kc, vc, slots, **norms)
+        return paged_decode_attention(q, kc, vc, tables, lengths, **options), kc, vc
+
+    rows = []
+    cases = [  # (sequences, heads, kv heads, head dim, context, q/k norm, options)
+        (1, 32, 4, 128, 512, True, {}),
+        (1, 32, 8, 128, 4096, False, {}),
+        (32, 32, 4, 128, 4096, True, {}),
+        (8, 64, 8, 64, 2048, False, {"sliding_window": 128, "sinks": True}),
+    ]
+    for num_seqs, heads, kv_heads, head_dim, context, qk_norm, options in cases:
+        q, kc, vc, tables, lengths = _paged_case(num_seqs, heads, kv_heads, head_dim, 16, context, jnp.bfloat16,
+                                                 seed=num_seqs + heads)
+        if num_seqs > 1:  # a padding row: no tokens, no slot
+            lengths = lengths.at[-1].set(0)
+        keys = jax.random.split(jax.random.PRNGKey(num_seqs), 5)
+        k, v = (jax.random.normal(key, (num_seqs, kv_heads, head_dim), jnp.bfloat16) for key in keys[:2])
+        angles = jax.random.uniform(keys[2], (num_seqs, head_dim // 2), jnp.float32, 0, 100)
+        cos, sin = jnp.cos(jnp.concatenate([angles] * 2, 1)), jnp.sin(jnp.concatenate([angles] * 2, 1))
+        position = jnp.maximum(lengths - 1, 0)
+        slots = jnp.where(lengths > 0, tables[jnp.arange(num_seqs), position // 16] * 16 + position % 16, -1)
+        extra = dict(scale=head_dim**-0.5)
+        if qk_norm:
+            extra.update(q_norm=1 + 0.1 * jax.random.normal(keys[3], (head_dim,), jnp.bfloat16),
+                         k_norm=1 + 0.1 * jax.random.normal(keys[4], (head_dim,), jnp.bfloat16))
+        if options.get("sinks"):
+            extra["sinks"] = jax.random.normal(keys[3], (heads,), jnp.float32)
+        if options.get("sliding_window"):
+            extra["sliding_window"] = options["sliding_window"]
+        statics = {key: extra.pop(key) for key in ("scale", "sliding_window") if key in extra}
+        args = (q, k, v, cos, sin)
+        want = jax.jit(functools.partial(reference.rotary_paged_decode_attention, **statics))(
+            *args, kc, vc, slots, tables, lengths, **extra)
+        got = rotary_paged_decode_attention(*args, jnp.array(kc), jnp.array(vc), slots, tables, lengths, **extra,
+                                            **statics)
+        errs = [float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32)))) for g, w in zip(got, want)]
+        row = {"seqs": num_seqs, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "context": context,
+               "qk_norm": qk_norm, **options, "max_abs_err_out_k_v": errs,
+               # the output to the decode parity's bf16 tolerance, the cache rows to 1 bf16 ulp at |x| < 16
+               "ok": bool(errs[0] < 2e-2 and max(errs[1:]) <= 0.0625)}
+        for name, fn in (("fused", rotary_paged_decode_attention), ("two_kernels", unfused)):
+            # The output feeds the next call's q, so that no kernel's result is dead code.
+            step = lambda carry, fn=fn: fn(carry[0], *args[1:], *carry[1:], slots, tables, lengths,  # noqa: E731
+                                           **extra, **statics)
+            row[f"{name}_us"] = device_time(step, (q, kc, vc), iters=20, repeats=3, unroll=10) * 1e6
+            row[f"{name}_kernel_us"] = kernel_breakdown(
+                lambda *a, fn=fn: fn(*a, **extra, **statics), *args, kc, vc, slots, tables, lengths)
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def norm_checks():
     """The residual add + RMSNorm kernel against its jnp reference (parity of the normalised output and
     of the sum, and the time of each) at the decode and prefill sizes of the benchmarked models."""
@@ -319,6 +381,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--skip-prefill", action="store_true")
     parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument("--only-rotary-decode", action="store_true",
+                        help="only the fused decode step's parity and times (with the ceilings)")
     parser.add_argument("--sweep", action="store_true", help="also sweep decode kernel block sizes")
     parser.add_argument("--sweep-prefill", action="store_true", help="also sweep prefill kernel block sizes")
     parser.add_argument("--prefill-page-sizes", type=int, nargs="+", default=[16],
@@ -331,10 +395,15 @@ def main():
     result["timer_overhead_us"] = timer_overhead() * 1e6
     result["timer_overhead_unrolled_us"] = timer_overhead(unroll=10) * 1e6
     print(result, flush=True)
+    if args.only_rotary_decode:
+        result["rotary_decode_attention"] = rotary_decode_checks()
+        print("wrote", write_json("gpu_check.json", result))
+        return
     if not args.skip_decode:
         result["decode_parity"] = decode_parity()
         print("decode parity ok:", all(r["ok"] for r in result["decode_parity"]), flush=True)
         result["rotary_cache_write"] = rotary_checks()
+        result["rotary_decode_attention"] = rotary_decode_checks()
         result["add_rms_norm"] = norm_checks()
         result["decode_benchmarks"] = decode_benchmarks(result["copy_bandwidth_TBps"] * 1e12)
     if args.sweep:

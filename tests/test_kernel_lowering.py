@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxinfer.cache.metadata import AttentionMetadata
-from jaxinfer.kernels.attention.decode_pallas import paged_decode_attention
+from jaxinfer.kernels.attention.decode_pallas import paged_decode_attention, rotary_paged_decode_attention
 from jaxinfer.kernels.attention import prefill_mgpu
 from jaxinfer.kernels.attention.prefill_pallas import ragged_paged_attention
 from jaxinfer.kernels.attention.rotary_pallas import rotary_cache_write
@@ -54,6 +54,25 @@ def test_decode_with_sinks_lowers(num_splits):
     text = _lower_for_gpu(lambda q, k, v, bt, n, sinks: paged_decode_attention(q, k, v, bt, n, scale=0.1, sinks=sinks,
                                                                                num_splits=num_splits), *args)
     assert ("paged_decode_combine" in text) == (num_splits > 1)
+
+
+@pytest.mark.parametrize("batch, context, qk_norm, options", [
+    (1, 512, True, {}),  # Qwen3-30B-A3B at batch 1: split, one block per program
+    (32, 4096, False, {"sinks": True, "sliding_window": 128}),  # GPT-OSS-like: one pass with sinks
+])
+def test_rotary_decode_lowers(batch, context, qk_norm, options):
+    heads, kv_heads, pages = 32, 4, context // 16
+    norms = (S((128,), BF16), S((128,), BF16)) if qk_norm else (None, None)
+    sinks = S((heads,), jnp.float32) if options.get("sinks") else None
+    window = options.get("sliding_window")
+    text = _lower_for_gpu(
+        lambda q, k, v, cos, sin, kc, vc, slots, bt, n, qn, kn, sk: rotary_paged_decode_attention(
+            q, k, v, cos, sin, kc, vc, slots, bt, n, scale=0.1, q_norm=qn, k_norm=kn, sinks=sk, sliding_window=window),
+        S((batch, heads, 128), BF16), S((batch, kv_heads, 128), BF16), S((batch, kv_heads, 128), BF16),
+        S((batch, 128), jnp.float32), S((batch, 128), jnp.float32), S((kv_heads, batch * pages, 16, 128), BF16),
+        S((kv_heads, batch * pages, 16, 128), BF16), S((batch,), I32), S((batch, pages), I32), S((batch,), I32),
+        *norms, sinks)
+    assert "rotary_paged_decode_attention" in text and "rotary_cache_write" not in text
 
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim, page_size", [(32, 32, 128, 16), (32, 8, 128, 16),

@@ -39,12 +39,16 @@ _dispatch = OpDispatcher(
             "rotary_cache_write": reference.rotary_cache_write,
             "ragged_paged_attention": reference.ragged_paged_attention,
             "paged_decode_attention": reference.paged_decode_attention,
+            "rotary_paged_decode_attention": reference.rotary_paged_decode_attention,
         },
         "pallas": {
             # A bare cache write stays an XLA scatter (with the caches donated it updates in place);
             # fused with the q/k norm and RoPE before it, it is one kernel instead of about seven.
             "rotary_cache_write": rotary_pallas.rotary_cache_write,
             "paged_decode_attention": decode_pallas.paged_decode_attention,
+            # At a decode step the attention programs do the q/k norm, RoPE and cache write
+            # themselves: one kernel fewer per layer.
+            "rotary_paged_decode_attention": decode_pallas.rotary_paged_decode_attention,
             "ragged_paged_attention": _gpu_ragged_paged_attention,
         },
     },
@@ -68,3 +72,11 @@ def ragged_paged_attention(q, k_cache, v_cache, md, **options):
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, **options):
     return _dispatch("paged_decode_attention")(q, k_cache, v_cache, block_tables, seq_lens, **options)
+
+
+def rotary_paged_decode_attention(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+                                  **options):
+    """A decode step from the projections on: ``rotary_cache_write`` then ``paged_decode_attention``
+    -> (out, k_cache, v_cache)."""
+    return _dispatch("rotary_paged_decode_attention")(q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
+                                                     block_tables, seq_lens, **options)

@@ -25,17 +25,37 @@ query's dtype: one launch instead of the several small XLA kernels a jnp epilogu
 real heads' partial rows are stored. With one split the main kernel normalises and writes the output
 itself, with no second launch; but the defaults still split as far as there are blocks at small
 batches, since a program's blocks run in series (``gpu_check.py --sweep-splits``).
+
+**The fused decode step** (``rotary_paged_decode_attention``, what the models call at a decode step).
+The kernel takes the step's raw q, k and v: each program normalises and rotates its q rows and its
+KV head's new k itself (``rotary_pallas``'s functions) and reads only the cached positions before the
+new token; the split holding the new token's position adds it to its online softmax from registers
+and writes k and v into the cache slot (no program reads that row, so the write races with nothing).
+One launch of ``rotary_pallas`` per layer goes. On the H200 (``gpu_check.py --only-rotary-decode``,
+kernel times, ``benchmarks/results/2026-11-29-h200-r9/``) the fused kernel took 4.2 us where the
+rotary and attention kernels took 2.1 + 2.4 (Qwen3-30B-A3B heads, one sequence of 512). At 4096
+tokens the rotation in front of each program's first matmul makes it slower than the two kernels
+together: 7.3 against 1.7 + 5.3 (Llama-3-8B heads, one sequence), 53.5 against 3.4 + 49.0 (32
+sequences), by about what one launch costs in XLA's chain. The loop timing, launches included, put
+the fused op ahead there (18.0 against 23.7 us, 77.4 against 79.2) and behind at 512 tokens (17.5
+against 16.2; such loop figures moved by 2-3 us between runs of this size). Inside the 48-layer
+Qwen3-30B-A3B step at B=1 it was faster in each of 6 alternating rounds, 3.16 against 3.20 ms per
+step (``scripts/decode_ab.py``). Issuing the K/V reads before the rotation made the kernel slower
+(4.9 us) and the step no faster.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from jaxinfer.kernels.attention import reference, rotary_pallas
 
 _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
 _SMS = 132  # H100/H200
@@ -73,12 +93,63 @@ def _store_rows(ref, value, group: int):
     plgpu.store(ref.at[index], value, mask=row < group)
 
 
+class FreshToken(NamedTuple):
+    """Static options of the fused form (``rotary_paged_decode_attention``): the kernel itself
+    normalises and rotates the step's new q and k and writes the new k/v into the cache."""
+
+    has_norm: bool
+    eps: float
+    rotary_dim: int
+    num_slots: int
+    q_dtype: str  # the rotated q's dtype (the reference's: q's, promoted with the q norm weight's)
+
+
+def _rotary_tables(cos_ref, sin_ref, head_dim: int, fresh: FreshToken):
+    """The RoPE column indices and this sequence's cos/sin rows."""
+    columns = rotary_pallas.RotaryColumns(head_dim, fresh.rotary_dim)
+    seq = pl.program_id(0)
+    return columns, columns.table_row(cos_ref, seq), columns.table_row(sin_ref, seq)
+
+
+def _fresh_query(q, q_ref, tables, q_norm_ref, fresh: FreshToken):
+    """The program's raw q rows ``q`` ([rows, d], padding rows zero) normalised and rotated, as
+    ``rotary_pallas`` computes them."""
+    columns, cos, sin = tables
+    rows, head_dim = q.shape
+    group = q_ref.shape[0]
+    row = lax.broadcasted_iota(jnp.int32, (rows, head_dim), 0)
+    partner = jnp.broadcast_to(columns.partner, (rows, head_dim))
+    q_partner = plgpu.load(q_ref.at[jnp.minimum(row, group - 1), partner], mask=row < group, other=0.0)
+    return rotary_pallas.norm_rotate(q, q_partner, cos, sin, columns, q_norm_ref, fresh.eps).astype(fresh.q_dtype)
+
+
+def _fresh_kv(k_new_ref, v_new_ref, tables, k_norm_ref, cache_dtype, fresh: FreshToken):
+    """The KV head's new k (normalised, rotated) and v as [1, d] rows in the cache's dtype."""
+    columns, cos, sin = tables
+    head_dim = k_new_ref.shape[-1]
+    k_partner = plgpu.load(k_new_ref.at[jnp.zeros((1, head_dim), jnp.int32), columns.partner[None, :]])
+    k = rotary_pallas.norm_rotate(k_new_ref[...], k_partner, cos, sin, columns, k_norm_ref, fresh.eps)
+    return k.astype(cache_dtype), v_new_ref[...].astype(cache_dtype)
+
+
 def _kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, *rest, rows, scale, page_size, block_tokens, blocks_per_split,
-            sliding_window, logit_softcap, final, has_sinks, num_heads_per_kv):
+            sliding_window, logit_softcap, final, has_sinks, num_heads_per_kv, fresh: FreshToken | None):
     """One (sequence, KV head, split): the online softmax over the split's blocks. ``final`` (one
-    split): normalise, add the sinks and write the output; else write the partial ``o``, ``m``, ``l``."""
+    split): normalise, add the sinks and write the output; else write the partial ``o``, ``m``, ``l``.
+
+    ``fresh``: ``q_ref`` holds the raw q rows, and the sequence's last token (position length - 1) is
+    the step's new one, taken from registers instead of the cache by the split that holds it, which
+    also writes it into the cache.
+    """
     split = pl.program_id(2)
     head_dim = q_ref.shape[-1]
+    if fresh is not None:
+        slot_ref, k_new_ref, v_new_ref, cos_ref, sin_ref, *rest = rest
+        q_norm_ref = k_norm_ref = None
+        if fresh.has_norm:
+            q_norm_ref, k_norm_ref, *rest = rest
+        *rest, k_out_ref, v_out_ref = rest
+    in_cache = 1 if fresh is not None else 0  # the tokens at the end of the sequence not read from the cache
 
     def block_rows(block):
         """The cache rows of the block's tokens (``[block_tokens]``; the caches are viewed as
@@ -97,7 +168,7 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, *rest, rows, scale, page_size,
 
     def visible_tokens(block, length, shape):
         token = block * block_tokens + lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
-        visible = token < length
+        visible = token < length - in_cache
         if sliding_window:
             visible &= token >= length - sliding_window  # the query at length-1 sees j > length-1-W
         return visible
@@ -109,6 +180,10 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, *rest, rows, scale, page_size,
         return s
 
     q = _load_query(q_ref, rows)
+    if fresh is not None:  # before the K/V reads: 0.7 us faster than after them (H200, one sequence)
+        tables = _rotary_tables(cos_ref, sin_ref, head_dim, fresh)
+        q = _fresh_query(q, q_ref, tables, q_norm_ref, fresh)
+        k_new, v_new = _fresh_kv(k_new_ref, v_new_ref, tables, k_norm_ref, k_ref.dtype, fresh)
     if blocks_per_split == 1:
         # One block per program (short contexts, few sequences): no loop, so the page ids are read
         # alongside the length instead of after it, and the K/V reads wait on both at once, one
@@ -147,6 +222,28 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, *rest, rows, scale, page_size,
         init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), _MASK, jnp.float32),
                 jnp.zeros((rows,), jnp.float32))
         o, m, l = lax.fori_loop(lo_block, jnp.maximum(lo_block, hi_block), body, init)
+    if fresh is not None:
+        # The new token joins the online softmax in the split that holds its position; that split
+        # also writes it into the cache (split 0 for an empty padding sequence, whose slot is < 0).
+        span = blocks_per_split * block_tokens
+        holds_new = (length > 0) & (split == (length - 1) // span)
+        s_new = (q.astype(jnp.float32) * k_new.astype(jnp.float32)).sum(axis=1) * scale  # [rows]
+        if logit_softcap:
+            s_new = logit_softcap * jnp.tanh(s_new / logit_softcap)
+        s_new = jnp.where(holds_new, s_new, _MASK)
+        m_next = jnp.maximum(m, s_new)
+        correction = jnp.exp(m - m_next)
+        p_new = jnp.where(holds_new, jnp.exp(s_new - m_next), 0.0)
+        l = l * correction + p_new
+        o = o * correction[:, None] + p_new.astype(v_new.dtype).astype(jnp.float32)[:, None] * v_new.astype(jnp.float32)
+        m = m_next
+        slot = slot_ref[0]
+
+        @pl.when((split == jnp.maximum(length - 1, 0) // span) & (slot >= 0) & (slot < fresh.num_slots))
+        def _():
+            k_out_ref[pl.ds(slot, 1), :] = k_new
+            v_out_ref[pl.ds(slot, 1), :] = v_new
+
     group = num_heads_per_kv
     if not final:  # the partial results of the rows the combine reads
         o_ref, m_ref, l_ref = rest
@@ -234,6 +331,54 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale
     Tuning (``None``: ``default_blocking``): ``block_tokens`` keys per step (a power of two),
     ``num_splits`` programs per (sequence, KV head), Triton ``num_warps``/``num_stages``.
     """
+    out, _ = _decode(q, k_cache, v_cache, block_tables, seq_lens, scale=scale, sliding_window=sliding_window,
+                     logit_softcap=logit_softcap, sinks=sinks, interpret=interpret, block_tokens=block_tokens,
+                     num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "norm_eps", "sliding_window", "logit_softcap", "interpret",
+                                             "block_tokens", "num_splits", "num_warps", "num_stages"),
+                   donate_argnums=(5, 6))
+def rotary_paged_decode_attention(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens, *,
+                                  scale, q_norm=None, k_norm=None, norm_eps: float = 1e-6, sliding_window=None,
+                                  logit_softcap=None, sinks=None, interpret=False, block_tokens=None,
+                                  num_splits=None, num_warps=4, num_stages=3):
+    """``reference.rotary_paged_decode_attention`` (the q/k norm, RoPE, cache write and decode attention
+    of one step) in one launch (plus the split merge): ``rotary_pallas``'s work is done by the
+    attention programs themselves. q [S, heads, d], k/v [S, kv_heads, d], cos/sin [S, rotary_dim];
+    the caches are updated in place -> (out, k_cache, v_cache). Power-of-two head counts and head
+    dims (else the two kernels run one after the other). As at every decode step, ``slot_mapping[s]``
+    must be the block table's slot for position ``seq_lens[s] - 1``: the kernel takes that position
+    from registers, not from the cache."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, num_pages, page_size, _ = k_cache.shape
+    rotary_dim = cos.shape[-1]
+    reference.check_qk_norm(q_norm, k_norm)
+    attention = dict(scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks,
+                     interpret=interpret, block_tokens=block_tokens, num_splits=num_splits, num_warps=num_warps,
+                     num_stages=num_stages)
+    if not rotary_pallas.shapes_fit(num_heads, num_kv_heads, head_dim, rotary_dim):
+        q, k_cache, v_cache = rotary_pallas.rotary_cache_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
+                                                               q_norm=q_norm, k_norm=k_norm, norm_eps=norm_eps,
+                                                               interpret=interpret)
+        return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, **attention), k_cache, v_cache
+    has_norm = q_norm is not None
+    fresh = FreshToken(has_norm=has_norm, eps=float(norm_eps), rotary_dim=rotary_dim,
+                       num_slots=num_pages * page_size,
+                       q_dtype=jnp.dtype(jnp.result_type(q_norm, q) if has_norm else q.dtype).name)
+    inputs = [slot_mapping.astype(jnp.int32)[:, None], k, v, cos.astype(jnp.float32), sin.astype(jnp.float32)]
+    if has_norm:
+        inputs += [q_norm, k_norm]
+    out, (k_cache_out, v_cache_out) = _decode(q, k_cache, v_cache, block_tables, seq_lens, fresh=fresh,
+                                              fresh_inputs=inputs, **attention)
+    return out, k_cache_out, v_cache_out
+
+
+def _decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale, sliding_window, logit_softcap, sinks, interpret,
+            block_tokens, num_splits, num_warps, num_stages, fresh: FreshToken | None = None, fresh_inputs=()):
+    """The decode kernel and the split merge -> (out, updated caches or None). ``fresh``: the fused
+    form, ``q`` raw, ``fresh_inputs`` = slot_mapping [S, 1], k, v, cos, sin[, q_norm, k_norm]."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -248,6 +393,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale
     # Whole splits of whole blocks are read from the block table: pad it (padding is masked by length).
     padded_pages = -(-num_splits * blocks_per_split * block_tokens // page_size)
     block_tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_pages - block_tables.shape[1])))
+    out_dtype = q.dtype if fresh is None else jnp.dtype(fresh.q_dtype)
 
     # A power-of-two group is padded to ``rows`` inside the kernel; any other is padded here (Triton
     # blocks are powers of two).
@@ -259,7 +405,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale
     kernel = functools.partial(_kernel, rows=rows, scale=scale, page_size=page_size, block_tokens=block_tokens,
                                blocks_per_split=blocks_per_split, sliding_window=sliding_window,
                                logit_softcap=logit_softcap, final=final, has_sinks=final and sinks is not None,
-                               num_heads_per_kv=group)
+                               num_heads_per_kv=group, fresh=fresh)
     # Each KV head's pages as one [pages * page_size, d] array of rows (a free reshape).
     cache_rows_shape = (num_kv_heads, k_cache.shape[1] * page_size, head_dim)
     cache_spec = pl.BlockSpec((None,) + cache_rows_shape[1:], lambda s, h, k: (h, 0, 0))
@@ -272,6 +418,12 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale
         pl.BlockSpec((None, padded_pages), lambda s, h, k: (s, 0)),
         pl.BlockSpec((None, 1), lambda s, h, k: (s, 0)),
     ]
+    if fresh is not None:  # slot [S, 1], this KV head's new k and v rows, the cos/sin tables, the norms
+        slots, k_new, v_new, *whole_arrays = fresh_inputs
+        new_row = pl.BlockSpec((None, 1, head_dim), lambda s, h, k: (s, h, 0))
+        inputs += [slots, k_new, v_new, *whole_arrays]
+        in_specs += [pl.BlockSpec((None, 1), lambda s, h, k: (s, 0)), new_row, new_row]
+        in_specs += [pl.BlockSpec(a.shape, lambda s, h, k, n=a.ndim: (0,) * n) for a in whole_arrays]
     if final:
         if sinks is not None:
             inputs.append(sinks)
@@ -279,8 +431,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale
         # The padding rows are not stored on the GPU (a masked store); the interpreter's masked store
         # reads and rewrites the masked addresses, so there they get rows of their own.
         out_rows = rows if interpret else q_group
-        out_specs = pl.BlockSpec((None, None, out_rows, head_dim), lambda s, h, k: (s, h, 0, 0))
-        out_shape = jax.ShapeDtypeStruct((num_seqs, num_kv_heads, out_rows, head_dim), q.dtype)
+        out_specs = [pl.BlockSpec((None, None, out_rows, head_dim), lambda s, h, k: (s, h, 0, 0))]
+        out_shape = [jax.ShapeDtypeStruct((num_seqs, num_kv_heads, out_rows, head_dim), out_dtype)]
     else:
         # The split axis is allocated to a power of two for the combine kernel; splits past
         # num_splits are never written and the combine masks them. Only the rows the combine reads
@@ -297,18 +449,28 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale
         out_shape = [jax.ShapeDtypeStruct(partial_shape + (head_dim,), jnp.float32),
                      jax.ShapeDtypeStruct(partial_shape, jnp.float32),
                      jax.ShapeDtypeStruct(partial_shape, jnp.float32)]
+    aliases = {}
+    if fresh is not None:  # the caches, updated in place
+        aliases = {1: len(out_shape), 2: len(out_shape) + 1}
+        out_specs += [cache_spec, cache_spec]
+        out_shape += [jax.ShapeDtypeStruct(cache_rows_shape, k_cache.dtype)] * 2
     result = pl.pallas_call(
         kernel,
         grid=(num_seqs, num_kv_heads, num_splits),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name="paged_decode_attention",
+        name="paged_decode_attention" if fresh is None else "rotary_paged_decode_attention",
     )(*inputs)
+    caches = None
+    if fresh is not None:
+        *result, k_rows, v_rows = result
+        caches = (k_rows.reshape(k_cache.shape), v_rows.reshape(v_cache.shape))
     if final:
-        return result[:, :, :group].reshape(num_seqs, num_heads, head_dim)
+        return result[0][:, :, :group].reshape(num_seqs, num_heads, head_dim), caches
     o, m, l = result
 
     # The merge reads the first group_rows rows (the real heads, padded to a power of two), one
@@ -321,7 +483,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale
     if split_slots * head_dim > _COMBINE_ELEMENTS:
         real = (slice(None), slice(None), slice(0, num_splits), slice(0, group_rows))
         out = _combine_jnp(o[real], m[real], l[real], sink_rows)
-        return out[:, :, :group].reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
+        return out[:, :, :group].reshape(num_seqs, num_heads, head_dim).astype(out_dtype), caches
     inputs = [o, m, l]
     in_specs = [
         pl.BlockSpec((None, None, split_slots, None, head_dim), lambda s, h, r: (s, h, 0, r, 0)),
@@ -336,9 +498,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale
         grid=(num_seqs, num_kv_heads, group_rows),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((None, None, None, head_dim), lambda s, h, r: (s, h, r, 0)),
-        out_shape=jax.ShapeDtypeStruct((num_seqs, num_kv_heads, group_rows, head_dim), q.dtype),
+        out_shape=jax.ShapeDtypeStruct((num_seqs, num_kv_heads, group_rows, head_dim), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="paged_decode_combine",
     )(*inputs)
-    return out[:, :, :group].reshape(num_seqs, num_heads, head_dim)
+    return out[:, :, :group].reshape(num_seqs, num_heads, head_dim), caches

@@ -113,6 +113,19 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale
     return out.reshape(s, heads, d)
 
 
+def rotary_paged_decode_attention(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens, *,
+                                  scale, q_norm=None, k_norm=None, norm_eps: float = 1e-6, sliding_window=None,
+                                  logit_softcap=None, sinks=None):
+    """A decode step's attention from the projections on: ``rotary_cache_write`` then
+    ``paged_decode_attention`` (token ``s`` is sequence ``s``'s new last token, at position
+    ``seq_lens[s] - 1`` in slot ``slot_mapping[s]``). -> (out [S, heads, d], k_cache, v_cache)."""
+    q, k_cache, v_cache = rotary_cache_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_norm=q_norm,
+                                             k_norm=k_norm, norm_eps=norm_eps)
+    out = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
+                                 sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks)
+    return out, k_cache, v_cache
+
+
 def dense_causal_attention(q, k, v, *, scale, sliding_window=None, logit_softcap=None, sinks=None):
     """No cache: q [T, heads, d], k/v [T, kv_heads, d] of one sequence. For tests and notebooks."""
     t, heads, d = q.shape
@@ -125,4 +138,5 @@ def dense_causal_attention(q, k, v, *, scale, sliding_window=None, logit_softcap
     return out.reshape(t, heads, d)
 
 
-__all__ = ["dense_causal_attention", "paged_decode_attention", "ragged_paged_attention", "write_kv_cache"]
+__all__ = ["dense_causal_attention", "paged_decode_attention", "ragged_paged_attention", "rotary_cache_write",
+           "rotary_paged_decode_attention", "write_kv_cache"]

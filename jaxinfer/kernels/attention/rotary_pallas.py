@@ -15,6 +15,8 @@ and each one's chain of loads and reductions is shorter. On the H200 that measur
 4.4 (32 tokens); at 8192 tokens it was slower, 114 against 90 us.
 
 Power-of-two head counts and head dims only (Triton blocks); any other shape runs the reference.
+At a decode step the decode attention kernel does this work itself (``decode_pallas``'s fused form,
+through ``RotaryColumns`` and ``norm_rotate``); this kernel serves prefill and mixed steps.
 """
 
 from __future__ import annotations
@@ -37,6 +39,44 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
 
+def shapes_fit(num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int) -> bool:
+    """Whether the kernel takes these heads (Triton blocks are powers of two)."""
+    return _is_pow2(num_heads) and _is_pow2(num_kv_heads) and _is_pow2(head_dim) and rotary_dim % 2 == 0
+
+
+class RotaryColumns:
+    """Per-column index vectors of a head's RoPE: which columns rotate, each one's ``rotate_half``
+    partner, and its column of the cos/sin tables (clamped; loads mask the non-rotary ones)."""
+
+    def __init__(self, head_dim: int, rotary_dim: int):
+        self.col = lax.broadcasted_iota(jnp.int32, (head_dim,), 0)
+        self.in_rotary = self.col < rotary_dim
+        half = rotary_dim // 2
+        self.first_half = self.col < half
+        self.partner = jnp.where(self.first_half, self.col + half, jnp.where(self.in_rotary, self.col - half, self.col))
+        self.table_col = jnp.minimum(self.col, rotary_dim - 1)
+
+    def table_row(self, ref, token):
+        """Row ``token`` of a cos/sin table [T, rotary_dim] as [head_dim] (0 past ``rotary_dim``)."""
+        return plgpu.load(ref.at[token, self.table_col], mask=self.in_rotary, other=0.0)
+
+
+def norm_rotate(x, x_partner, cos, sin, columns: RotaryColumns, norm_ref=None, eps: float = 0.0):
+    """Heads ``x`` [heads, d] (and the same heads' values at the partner columns) -> the optional
+    per-head RMSNorm (weights ``norm_ref`` [d], as ``reference.rms_norm``: the row's scale applies to
+    both loads) and RoPE, as ``reference.rotary_cache_write`` computes them."""
+    if norm_ref is not None:
+        x32 = x.astype(jnp.float32)
+        scale = lax.rsqrt((x32 * x32).sum(axis=1) / x.shape[1] + eps)[:, None]
+        weight = norm_ref[...]
+        weight_partner = plgpu.load(norm_ref.at[columns.partner])
+        x = weight[None, :] * (x32 * scale).astype(x.dtype)
+        x_partner = weight_partner[None, :] * (x_partner.astype(jnp.float32) * scale).astype(x_partner.dtype)
+    c, s = cos.astype(x.dtype)[None, :], sin.astype(x.dtype)[None, :]
+    rotated = x * c + jnp.where(columns.first_half[None, :], -x_partner, x_partner) * s
+    return jnp.where(columns.in_rotary[None, :], rotated, x)
+
+
 def _kernel(slot_ref, q_ref, k_ref, v_ref, cos_ref, sin_ref, *rest, has_norm: bool, eps: float, rotary_dim: int,
             page_size: int, num_slots: int):
     if has_norm:
@@ -45,30 +85,14 @@ def _kernel(slot_ref, q_ref, k_ref, v_ref, cos_ref, sin_ref, *rest, has_norm: bo
         _, _, q_out_ref, k_cache_ref, v_cache_ref = rest
         q_norm_ref = k_norm_ref = None
     t, g = pl.program_id(0), pl.program_id(1)
-    head_dim = q_ref.shape[-1]
-    half = rotary_dim // 2
-    col = lax.broadcasted_iota(jnp.int32, (head_dim,), 0)
-    in_rotary = col < rotary_dim
-    partner = jnp.where(col < half, col + half, jnp.where(in_rotary, col - half, col))  # rotate_half's source
-    table_col = jnp.minimum(col, rotary_dim - 1)
-    cos = plgpu.load(cos_ref.at[t, table_col], mask=in_rotary, other=0.0)
-    sin = plgpu.load(sin_ref.at[t, table_col], mask=in_rotary, other=0.0)
+    columns = RotaryColumns(q_ref.shape[-1], rotary_dim)
+    cos, sin = columns.table_row(cos_ref, t), columns.table_row(sin_ref, t)
 
     def rotate(x_ref, norm_ref):
-        heads = x_ref.shape[0]
-        shape = (heads, head_dim)
-        x = x_ref[...]
-        x_partner = plgpu.load(x_ref.at[lax.broadcasted_iota(jnp.int32, shape, 0), jnp.broadcast_to(partner, shape)])
-        if norm_ref is not None:  # RMSNorm per head, as reference.rms_norm: the row's scale applies to both
-            x32 = x.astype(jnp.float32)
-            scale = lax.rsqrt((x32 * x32).sum(axis=1) / head_dim + eps)[:, None]
-            weight = norm_ref[...]
-            weight_partner = plgpu.load(norm_ref.at[partner])
-            x = weight[None, :] * (x32 * scale).astype(x.dtype)
-            x_partner = weight_partner[None, :] * (x_partner.astype(jnp.float32) * scale).astype(x_partner.dtype)
-        c, s = cos.astype(x.dtype)[None, :], sin.astype(x.dtype)[None, :]
-        rotated = x * c + jnp.where(col[None, :] < half, -x_partner, x_partner) * s
-        return jnp.where(in_rotary[None, :], rotated, x)
+        shape = x_ref.shape
+        x_partner = plgpu.load(x_ref.at[lax.broadcasted_iota(jnp.int32, shape, 0),
+                                        jnp.broadcast_to(columns.partner, shape)])
+        return norm_rotate(x_ref[...], x_partner, cos, sin, columns, norm_ref, eps)
 
     q_out_ref[...] = rotate(q_ref, q_norm_ref).astype(q_out_ref.dtype)
     k = rotate(k_ref, k_norm_ref)
@@ -91,8 +115,7 @@ def rotary_cache_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, *, q_n
     num_kv_heads, num_pages, page_size, _ = k_cache.shape
     rotary_dim = cos.shape[-1]
     reference.check_qk_norm(q_norm, k_norm)
-    shapes_fit = _is_pow2(num_heads) and _is_pow2(num_kv_heads) and _is_pow2(head_dim) and rotary_dim % 2 == 0
-    if not shapes_fit or num_tokens == 0:
+    if not shapes_fit(num_heads, num_kv_heads, head_dim, rotary_dim) or num_tokens == 0:
         return reference.rotary_cache_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_norm=q_norm,
                                             k_norm=k_norm, norm_eps=norm_eps)
     has_norm = q_norm is not None

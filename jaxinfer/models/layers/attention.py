@@ -15,7 +15,7 @@ from jaxinfer.models.layers.norm import NormWeight, RMSNorm
 class PagedGQAttention(nn.Module):
     """q/k/v projections (one op) -> optional q/k RMSNorm -> RoPE -> cache write -> attention (optional sliding
     window and sinks) -> o_proj. A per-head q/k norm, RoPE and the cache write are one op
-    (``rotary_cache_write``).
+    (``rotary_cache_write``); at a decode step, attention joins them (``rotary_paged_decode_attention``).
 
     KV head ``j`` serves query heads ``[j*g, (j+1)*g)`` (HF's ``repeat_kv``), ``g = heads // kv_heads``.
     """
@@ -51,13 +51,15 @@ class PagedGQAttention(nn.Module):
                          norm_eps=self.qk_norm_eps)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        q, k_cache, v_cache = attention_ops.rotary_cache_write(q, k, v, cos, sin, *kv_cache, md.slot_mapping, **norms)
         options = dict(scale=self.scale or self.head_dim**-0.5, sliding_window=self.sliding_window)
         if self.sinks:
             options["sinks"] = self.param("sinks", nn.initializers.normal(0.02), (self.num_heads,), self.param_dtype)
-        if md.decode:
-            out = attention_ops.paged_decode_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, **options)
+        if md.decode:  # one op: on the GPU the attention kernel also normalises, rotates and writes the cache
+            out, k_cache, v_cache = attention_ops.rotary_paged_decode_attention(
+                q, k, v, cos, sin, *kv_cache, md.slot_mapping, md.block_tables, md.seq_lens, **norms, **options)
         else:
+            q, k_cache, v_cache = attention_ops.rotary_cache_write(q, k, v, cos, sin, *kv_cache, md.slot_mapping,
+                                                                   **norms)
             out = attention_ops.ragged_paged_attention(q, k_cache, v_cache, md, **options)
         out = Linear(x.shape[-1], self.o_bias, self.param_dtype, name="o_proj")(out.reshape(t, q_size))
         return out, (k_cache, v_cache)

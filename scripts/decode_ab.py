@@ -1,0 +1,97 @@
+"""The engine's decode step against a variant of itself, in one process: both engines share the weights
+and their timed calls alternate, so the few percent the GPU drifts between processes does not decide
+the comparison.
+
+A variant replaces one GPU op by another implementation while the variant's engine compiles (its
+steps trace, and so pick their ops, then). ``unfused-rotary-decode``: the q/k norm + RoPE + cache write
+as its own kernel before the decode attention kernel, instead of inside it.
+
+    PYTHONPATH=. python3 scripts/decode_ab.py --variant unfused-rotary-decode   # Qwen3-30B-A3B, B=1
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_decode import MODELS, build_engine, decode_requests  # noqa: E402
+from benchlib import environment, write_json  # noqa: E402
+
+
+def _unfused_rotary_decode(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens, *,
+                           q_norm=None, k_norm=None, norm_eps=1e-6, **options):
+    from jaxinfer.kernels.attention.decode_pallas import paged_decode_attention
+    from jaxinfer.kernels.attention.rotary_pallas import rotary_cache_write
+
+    q, k_cache, v_cache = rotary_cache_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_norm=q_norm,
+                                             k_norm=k_norm, norm_eps=norm_eps)
+    return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, **options), k_cache, v_cache
+
+
+@contextlib.contextmanager
+def _replaced(family, op: str, fn):
+    implementations = family._dispatch.implementations["pallas"]
+    saved = implementations[op]
+    implementations[op] = fn
+    try:
+        yield
+    finally:
+        implementations[op] = saved
+
+
+def variant_context(name: str):
+    from jaxinfer.kernels import attention
+
+    if name == "unfused-rotary-decode":
+        return _replaced(attention, "rotary_paged_decode_attention", _unfused_rotary_decode)
+    raise ValueError(f"unknown variant {name!r}")
+
+
+VARIANTS = ("unfused-rotary-decode",)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(MODELS), default="qwen3-30b-a3b")
+    parser.add_argument("--variant", choices=VARIANTS, default="unfused-rotary-decode")
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+
+    from jaxinfer.engine.engine import Engine
+
+    max_len = args.context + args.steps + 16
+    pages = args.batch * -(-max_len // 16) + 8  # a cache for these requests only: two engines share the GPU
+    _, _, engine = build_engine(args.model, args.layers, steps=args.steps, max_len=max_len, max_seqs=args.batch,
+                                batched_tokens=max(16, args.batch), num_pages=pages)
+    runs = {"main": (engine, *decode_requests(engine, args.batch, args.context, args.steps))}
+    with variant_context(args.variant):  # the same weights behind a second engine
+        variant_engine = Engine(engine.model, engine.config)
+        runs[args.variant] = (variant_engine, *decode_requests(variant_engine, args.batch, args.context, args.steps))
+    times = {name: [] for name in runs}
+    tokens = {}
+    for _ in range(args.rounds + 1):  # the first round warms up and is dropped
+        for name, (eng, requests, key) in runs.items():
+            start = time.perf_counter()
+            tokens[name], _ = eng.runner.run_decode(key, requests)
+            times[name].append((time.perf_counter() - start) / args.steps * 1e3)
+    result = {"environment": environment(), "model": args.model, "layers": args.layers, "batch": args.batch,
+              "context": args.context, "steps_per_call": args.steps, "variant": args.variant,
+              **{name: {"ms_per_step_median": float(np.median(t[1:])), "all": t[1:]} for name, t in times.items()},
+              "same_tokens": bool((np.asarray(tokens["main"]) == np.asarray(tokens[args.variant])).all())}
+    print(json.dumps(result), flush=True)
+    write_json(f"decode_ab_{args.model}_b{args.batch}_{args.variant}.json", result)
+
+
+if __name__ == "__main__":
+    main()
