@@ -39,8 +39,9 @@ together: 7.3 against 1.7 + 5.3 (Llama-3-8B heads, one sequence), 53.5 against 3
 sequences), by about what one launch costs in XLA's chain. The loop timing, launches included, put
 the fused op ahead there (18.0 against 23.7 us, 77.4 against 79.2) and behind at 512 tokens (17.5
 against 16.2; such loop figures moved by 2-3 us between runs of this size). Inside the 48-layer
-Qwen3-30B-A3B step at B=1 it was faster in each of 6 alternating rounds, 3.16 against 3.20 ms per
-step (``scripts/decode_ab.py``). Issuing the K/V reads before the rotation made the kernel slower
+Qwen3-30B-A3B step at B=1 it was faster in 6 of 7 alternating rounds, 3.16 against 3.20 ms per
+step (``scripts/decode_ab.py``); the Llama-3-8B step at one sequence of 4096 was even (4.80 against
+4.79 ms). Issuing the K/V reads before the rotation made the kernel slower
 (4.9 us) and the step no faster.
 """
 
