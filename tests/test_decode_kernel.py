@@ -24,6 +24,19 @@ def _case(num_seqs, heads, kv_heads, head_dim, page_size, pages_per_seq, lengths
     return cast(q), cast(k), cast(v), jnp.asarray(tables, jnp.int32), jnp.asarray(lengths, jnp.int32)
 
 
+def attention_options(name, heads, head_dim, page_size):
+    """The attention keyword arguments of an options case: ``plain``, ``window``, ``softcap`` or
+    ``sinks`` (any other name: plain)."""
+    options = dict(scale=head_dim**-0.5)
+    if name == "window":
+        options["sliding_window"] = page_size + 5
+    if name == "softcap":
+        options["logit_softcap"] = 2.0
+    if name == "sinks":
+        options["sinks"] = jnp.asarray(np.random.RandomState(1).randn(heads), jnp.float32)
+    return options
+
+
 @pytest.mark.parametrize("heads, kv_heads, head_dim, page_size", [
     (8, 2, 64, 16),    # GQA
     (4, 1, 128, 32),   # MQA
@@ -40,13 +53,7 @@ def test_matches_reference(heads, kv_heads, head_dim, page_size, options, block_
     max_len = pages_per_seq * page_size
     lengths = [0, 1, page_size + 3, max_len]  # 0: a padding row
     q, k, v, tables, lens = _case(4, heads, kv_heads, head_dim, page_size, pages_per_seq, lengths, jnp.float32)
-    kwargs = dict(scale=head_dim**-0.5)
-    if options == "window":
-        kwargs["sliding_window"] = page_size + 5
-    if options == "softcap":
-        kwargs["logit_softcap"] = 2.0
-    if options == "sinks":
-        kwargs["sinks"] = jnp.asarray(np.random.RandomState(1).randn(heads), jnp.float32)
+    kwargs = attention_options(options, heads, head_dim, page_size)
     ref = reference.paged_decode_attention(q, k, v, tables, lens, **kwargs)
     out = paged_decode_attention(q, k, v, tables, lens, interpret=True, block_tokens=block_tokens,
                                  num_splits=num_splits, **kwargs)

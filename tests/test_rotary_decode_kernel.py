@@ -12,6 +12,7 @@ import pytest
 
 from jaxinfer.kernels.attention import reference
 from jaxinfer.kernels.attention.decode_pallas import rotary_paged_decode_attention
+from tests.test_decode_kernel import attention_options
 
 
 def _case(lengths, heads, kv_heads, head_dim, page_size, pages_per_seq, rotary_dim, dtype, qk_norm, seed=0):
@@ -60,13 +61,7 @@ def test_matches_reference(heads, kv_heads, head_dim, page_size, rotary_dim, opt
     lengths = [0, 1, page_size + 3, pages_per_seq * page_size]  # a padding row, a first token, a full table
     args, norms = _case(lengths, heads, kv_heads, head_dim, page_size, pages_per_seq, rotary_dim, jnp.float32,
                         qk_norm=options == "qk_norm")
-    attention = dict(scale=head_dim**-0.5)
-    if options == "window":
-        attention["sliding_window"] = page_size + 5
-    if options == "softcap":
-        attention["logit_softcap"] = 2.0
-    if options == "sinks":
-        attention["sinks"] = jnp.asarray(np.random.RandomState(1).randn(heads), jnp.float32)
+    attention = attention_options(options, heads, head_dim, page_size)  # "qk_norm": plain attention
     want, got = _run_both(args, {**norms, **attention}, block_tokens=block_tokens, num_splits=num_splits)
     for name, w, g in zip(("out", "k_cache", "v_cache"), want, got):
         assert g.dtype == w.dtype and g.shape == w.shape, name
