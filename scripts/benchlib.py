@@ -136,6 +136,23 @@ def environment() -> dict:
             "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
+def load_revision(path: str, revision: str):
+    """The module at ``path`` (relative to the repository) as it was at git ``revision``, imported as a
+    module of its own, so that both versions of a kernel compile side by side in one run."""
+    import importlib.util
+    import subprocess
+
+    source = subprocess.run(["git", "show", f"{revision}:{path}"], capture_output=True, text=True, check=True).stdout
+    name = os.path.splitext(os.path.basename(path))[0] + "_baseline"
+    file = os.path.join(tempfile.mkdtemp(), name + ".py")
+    with open(file, "w") as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def write_text(name: str, text: str) -> str:
     """Write ``name`` under ``$JAXINFER_BENCH_DIR`` (default: the working directory); returns its path."""
     path = os.path.join(os.environ.get("JAXINFER_BENCH_DIR") or ".", name)

@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import os
-import subprocess
 import sys
-import tempfile
 
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import copy_bandwidth, device_time, environment, write_json  # noqa: E402
+from benchlib import copy_bandwidth, device_time, environment, load_revision, write_json  # noqa: E402
 from gpu_check import _paged_case  # noqa: E402
 
 from jaxinfer.kernels.attention import decode_pallas  # noqa: E402
@@ -38,19 +35,6 @@ VARIANTS = (  # the working tree's kernel with launch options around the default
 )
 
 
-def load_revision(revision: str):
-    """``decode_pallas`` as it was at ``revision``, imported as a separate module."""
-    source = subprocess.run(["git", "show", f"{revision}:{KERNEL_PATH}"], capture_output=True, text=True,
-                            check=True).stdout
-    path = os.path.join(tempfile.mkdtemp(), "decode_baseline.py")
-    with open(path, "w") as f:
-        f.write(source)
-    spec = importlib.util.spec_from_file_location("decode_baseline", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def time_kernel(module, inputs, kv_bytes, bandwidth, **options):
     fn = functools.partial(module.paged_decode_attention, scale=128**-0.5, **options)
     seconds = device_time(fn, *inputs, iters=50, repeats=5, unroll=10)
@@ -61,7 +45,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", default="HEAD", help="git revision of the kernel to compare against")
     args = parser.parse_args()
-    baseline = load_revision(args.baseline)
+    baseline = load_revision(KERNEL_PATH, args.baseline)
     bandwidth = copy_bandwidth()
     result = {"environment": environment(), "baseline": args.baseline, "copy_bandwidth_TBps": bandwidth / 1e12,
               "shapes": [], "variants": []}

@@ -305,7 +305,7 @@ def packed_sequences(batch, seq_len, heads, kv_heads, head_dim, page_size, dtype
     return q, k, v, md
 
 
-def prefill_checks(flops_rate, page_sizes=(16,)):
+def prefill_checks(flops_rate, page_sizes=(16,), parity_only=False):
     """Ragged prefill (the GPU default: the Mosaic GPU kernel where it applies, else the Triton one):
     parity, then causal benchmarks next to the Triton kernel, cuDNN and jax's Pallas mha, with the
     cache in pages of each of ``page_sizes`` (the dense contenders are timed again beside each)."""
@@ -340,15 +340,23 @@ def prefill_checks(flops_rate, page_sizes=(16,)):
             f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
             ref = reference.ragged_paged_attention(f32(q), f32(k), f32(v), sub, scale=scale, **extra)
             ref = jnp.where((sub.slot_mapping >= 0)[:, None, None], ref, 0.0)  # padding tokens give zeros
-            got = attention.ragged_paged_attention(q, k, v, sub, scale=scale, **extra)
-            err = float(jnp.max(jnp.abs(f32(got) - ref)))  # NaN never passes
             tol = 2e-2 if dtype == jnp.bfloat16 else 2e-3
-            out["parity"].append({"batch": batch, "seq_len": seq_len, "heads": heads, "kv_heads": kv_heads,
-                                  "head_dim": head_dim, "page_size": page_size, "dtype": jnp.dtype(dtype).name,
-                                  "options": list(extra), "padding": pad,
-                                  "kernel": "mosaic_gpu" if prefill_mgpu.supports(q, k, **extra) else "triton",
-                                  "max_abs_err": err, "ok": bool(err < tol)})
+            mosaic = prefill_mgpu.supports(q, k, **extra)
+            # The Mosaic GPU kernel also with two heads per program, as it runs on larger steps.
+            runs = {"mosaic_gpu" if mosaic else "triton": attention.ragged_paged_attention}
+            if mosaic:
+                runs["mosaic_gpu, 2 heads per program"] = functools.partial(prefill_mgpu.ragged_paged_attention,
+                                                                            heads_per_program=2)
+            for kernel, fn in runs.items():
+                got = fn(q, k, v, sub, scale=scale, **extra)
+                err = float(jnp.max(jnp.abs(f32(got) - ref)))  # NaN never passes
+                out["parity"].append({"batch": batch, "seq_len": seq_len, "heads": heads, "kv_heads": kv_heads,
+                                      "head_dim": head_dim, "page_size": page_size, "dtype": jnp.dtype(dtype).name,
+                                      "options": list(extra), "padding": pad, "kernel": kernel,
+                                      "max_abs_err": err, "ok": bool(err < tol)})
     print("prefill parity ok:", all(r["ok"] for r in out["parity"]), flush=True)
+    if parity_only:
+        return out
     for page_size, (batch, seq_len, heads) in itertools.product(page_sizes, ((2, 2048, 16), (1, 8192, 32))):
         flops = 4 * batch * heads * seq_len * seq_len * 128 / 2  # causal: half the square
         q, k, v, md = packed_sequences(batch, seq_len, heads, heads, 128, page_size, jnp.bfloat16)
@@ -385,6 +393,7 @@ def main():
                         help="only the fused decode step's parity and times (with the ceilings)")
     parser.add_argument("--sweep", action="store_true", help="also sweep decode kernel block sizes")
     parser.add_argument("--sweep-prefill", action="store_true", help="also sweep prefill kernel block sizes")
+    parser.add_argument("--prefill-parity-only", action="store_true", help="the prefill parity cases, no benchmarks")
     parser.add_argument("--prefill-page-sizes", type=int, nargs="+", default=[16],
                         help="cache page sizes of the causal prefill benchmarks")
     parser.add_argument("--sweep-splits", action="store_true", help="also sweep decode split counts at short contexts")
@@ -413,7 +422,8 @@ def main():
         write_json("gpu_check.json", result)
         result["split_sweep"] = split_sweep(result["copy_bandwidth_TBps"] * 1e12)
     if not args.skip_prefill:
-        result["prefill"] = prefill_checks(result["bf16_matmul_TFLOPs"] * 1e12, args.prefill_page_sizes)
+        result["prefill"] = prefill_checks(result["bf16_matmul_TFLOPs"] * 1e12, args.prefill_page_sizes,
+                                           parity_only=args.prefill_parity_only)
     if args.sweep_prefill:
         write_json("gpu_check.json", result)
         result["prefill_sweep"] = prefill_sweep(result["bf16_matmul_TFLOPs"] * 1e12)

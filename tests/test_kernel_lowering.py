@@ -88,17 +88,33 @@ def test_prefill_lowers(heads, kv_heads, head_dim, page_size):
     assert "ragged_paged_prefill" in text
 
 
-@pytest.mark.parametrize("heads, kv_heads, head_dim, page_size", [(32, 8, 128, 16), (8, 1, 64, 32), (4, 4, 128, 256)])
-def test_prefill_mosaic_gpu_lowers(heads, kv_heads, head_dim, page_size):
+@pytest.mark.parametrize("heads, kv_heads, head_dim, page_size, heads_per_program", [
+    (32, 8, 128, 16, None), (8, 1, 64, 32, None), (4, 4, 128, 256, None),
+    (32, 8, 128, 16, 2), (4, 4, 128, 256, 2),  # two heads in turn per program: GQA and MHA
+])
+def test_prefill_mosaic_gpu_lowers(heads, kv_heads, head_dim, page_size, heads_per_program):
     # The warp-specialised kernel (Mosaic GPU) lowers for the GPU on a CPU-only machine too.
     t, seqs, pages = 1000, 3, 32
     md = AttentionMetadata(positions=S((t,), I32), slot_mapping=S((t,), I32), token_seq_ids=S((t,), I32),
                            block_tables=S((seqs, pages), I32), seq_lens=S((seqs,), I32),
                            logits_indices=S((seqs,), I32))
-    text = _lower_for_gpu(functools.partial(prefill_mgpu.ragged_paged_attention, scale=0.1),
+    text = _lower_for_gpu(functools.partial(prefill_mgpu.ragged_paged_attention, scale=0.1,
+                                            heads_per_program=heads_per_program),
                           S((t, heads, head_dim), BF16), S((kv_heads, seqs * pages, page_size, head_dim), BF16),
                           S((kv_heads, seqs * pages, page_size, head_dim), BF16), md)
     assert "mosaic_gpu" in text
+
+
+def test_prefill_mosaic_gpu_pairs_heads_only_where_programs_fill_the_gpu():
+    # 1 x 8192 tokens, 32 heads: 67 blocks -> 1072 pairs, over 6 waves of 132 SMs; 2 x 2048, 16 heads does not.
+    assert prefill_mgpu.default_heads_per_program(67 * 32, 32, 132) == 2
+    assert prefill_mgpu.default_heads_per_program(37 * 16, 16, 132) == 1
+    assert prefill_mgpu.default_heads_per_program(67 * 33, 33, 132) == 1  # odd head count
+    md = AttentionMetadata(positions=S((64,), I32), slot_mapping=S((64,), I32), token_seq_ids=S((64,), I32),
+                           block_tables=S((1, 4), I32), seq_lens=S((1,), I32), logits_indices=S((1,), I32))
+    with pytest.raises(ValueError, match="heads_per_program=3 does not divide the 4 query heads"):
+        _lower_for_gpu(functools.partial(prefill_mgpu.ragged_paged_attention, scale=0.1, heads_per_program=3),
+                       S((64, 4, 128), BF16), S((4, 4, 16, 128), BF16), S((4, 4, 16, 128), BF16), md)
 
 
 def test_prefill_mosaic_gpu_refuses_what_it_does_not_take():
