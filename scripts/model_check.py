@@ -19,7 +19,10 @@ the bfloat16 reference's plus 0.01. The verdict is per family, not per request: 
 MoE router's scores flips an expert in one bfloat16 run and not the other, which moves that request's
 logprobs far more than rounding does (random routers score experts closely). On the H200 the bfloat16
 reference itself drifted 0.13 on one MiniMax-M2 request and 0.006 on another, the kernels 0.009 and
-0.07 on the same two.
+0.07 on the same two. A request whose kernels' run picks another first token than float32's (a
+near-tie: float32's top two logprobs 0.012 apart on one Llama prompt) is compared at that token:
+float32 must rank the kernels' pick second, and the difference of the two runs' logprobs of that
+token counts as the kernels' drift.
 
     PYTHONPATH=. python3 scripts/model_check.py          # writes model_check.json to $JAXINFER_BENCH_DIR (or .)
     PYTHONPATH=. python3 scripts/model_check.py --seed 1 # other random checkpoints and prompts
@@ -73,10 +76,11 @@ def generate(checkpoint: str, dtype: str, seed: int = 0) -> list[dict]:
               warmup=False)  # compile only the buckets these requests use
     rng = np.random.RandomState(seed)
     prompts = [rng.randint(3, llm.config.vocab_size, size=n).tolist() for n in PROMPT_LENGTHS]
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    return [{"tokens": list(o.token_ids), "logprobs": [lp[t] for lp, t in zip(o.logprobs, o.token_ids)]}
-            for o in outputs]
+    # The chosen token's logprob, and the top two of the first position (JSON keys are strings).
+    return [{"tokens": list(o.token_ids), "logprobs": [lp[t] for lp, t in zip(o.logprobs, o.token_ids)],
+             "first_top": {str(t): lp for t, lp in o.logprobs[0].items()}} for o in outputs]
 
 
 def _agreeing(a: list[int], b: list[int]) -> int:
@@ -93,19 +97,30 @@ def compare(runs: dict[str, list[dict]]) -> list[dict]:
         def drift(run):
             return max((abs(a - b) for a, b in zip(run["logprobs"][:common], ref32["logprobs"][:common])), default=None)
 
+        first_token_drift = None  # where the kernels' first token is not float32's but its runner-up
+        if kernels_agree == 0 and str(kernels["tokens"][0]) in ref32.get("first_top", {}):
+            first_token_drift = abs(kernels["logprobs"][0] - ref32["first_top"][str(kernels["tokens"][0])])
         rows.append({"prompt_tokens": length, "tokens_agreeing_with_float32": kernels_agree,
                      "reference_bfloat16_tokens_agreeing": ref16_agree, "compared_tokens": common,
-                     "kernels_drift": drift(kernels), "reference_bfloat16_drift": drift(ref16)})
+                     "kernels_drift": drift(kernels), "reference_bfloat16_drift": drift(ref16),
+                     "kernels_first_token_drift": first_token_drift})
     return rows
 
 
 def family_passes(rows: list[dict]) -> bool:
     """The kernels drift at most twice as far as the bfloat16 reference (plus 0.01) over the family's
-    requests, and every request has a first token to compare."""
-    if any(row["compared_tokens"] == 0 for row in rows):
-        return False
-    worst = lambda key: max(row[key] for row in rows)  # noqa: E731
-    return worst("kernels_drift") <= 2 * worst("reference_bfloat16_drift") + 0.01
+    requests, and every request has a token to compare: one all three runs agree on, or else the
+    kernels' first token, where float32 ranks it second (a near-tie)."""
+    kernel_drifts, reference_drifts = [], []
+    for row in rows:
+        if row["compared_tokens"]:
+            kernel_drifts.append(row["kernels_drift"])
+            reference_drifts.append(row["reference_bfloat16_drift"])
+        elif row.get("kernels_first_token_drift") is not None:
+            kernel_drifts.append(row["kernels_first_token_drift"])
+        else:
+            return False
+    return bool(reference_drifts) and max(kernel_drifts) <= 2 * max(reference_drifts) + 0.01
 
 
 def main():

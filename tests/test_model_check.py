@@ -38,6 +38,23 @@ def test_a_family_passes_within_twice_the_bfloat16_drift():
     assert not model_check.family_passes(first_token_differs)
 
 
+def test_a_first_token_near_tie_is_compared_at_that_token():
+    # float32 picks 5 over 4 by 0.012; the kernels pick 4 on one request.
+    ref32 = {**_run([5, 6], [-1.0, -2.0]), "first_top": {"5": -1.0, "4": -1.012}}
+    ref16 = _run([5, 6], [-1.0, -2.01])
+
+    def family(first_request):
+        rows = model_check.compare(_runs(ref16, ref16, ref32))
+        rows[0] = model_check.compare(_runs(first_request, ref16, ref32))[0]
+        return rows
+
+    near_tie = family(_run([4, 6], [-0.995, -2.0]))  # 4 at a logprob 0.017 from float32's
+    assert near_tie[0]["compared_tokens"] == 0 and abs(near_tie[0]["kernels_first_token_drift"] - 0.017) < 1e-9
+    assert model_check.family_passes(near_tie)  # 0.017 <= 2 * 0.01 + 0.01
+    assert not model_check.family_passes(family(_run([4, 6], [-0.95, -2.0])))  # 0.062 from float32's
+    assert not model_check.family_passes(family(_run([3, 6], [-1.0, -2.0])))  # not float32's runner-up
+
+
 def test_the_seed_draws_other_weights(tmp_path):
     from safetensors.numpy import load_file
 
