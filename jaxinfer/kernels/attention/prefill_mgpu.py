@@ -45,7 +45,7 @@ its kernel runs causal prefill at 1.01x of cuDNN's kernel at 1 x 8192 and 1.05x 
 pages of 16 (1.03-1.04x over pages of 64), and its whole op at 1.5-2.1x the Triton kernel's. Timed
 against the kernel before these two changes in one run, pages of 16: 2.8% faster at 1 x 8192 and
 4.3% at 4 x 4096 (two heads per program), 0.4% slower at 2 x 2048 (one head). One head per program
-forced: -0.9% to +0.3%; two heads forced at 2 x 2048: -5%; four heads (another run): -3 to -4% at
+forced: -0.9% to +0.3%; two heads forced at 2 x 2048: -5 to -6%; four heads (another run): -3 to -4% at
 1 x 8192, -37% at 2 x 2048. (The matmuls issued together gained about 1% in a first form, whose
 warpgroups without keys took a branch of their own instead of the ``lax.cond`` around the first
 and last key block.) Merging the K and V barriers gained about 1%, issuing the copies from one warp
@@ -323,7 +323,7 @@ def default_heads_per_program(num_items: int, num_heads: int, num_sms: int) -> i
     """Query heads a program takes in turn: 2 where the programs still fill the GPU
     ``MIN_WAVES_FOR_HEAD_PAIRS`` times over (each program then starts once for two heads, and its next
     head's key blocks stream in while the last one's finish), else 1 (few programs balance the causal
-    blocks' unequal costs worse: at 2 x 2048 with 16 heads, pairs ran 6% slower)."""
+    blocks' unequal costs worse: at 2 x 2048 with 16 heads, pairs ran 5-6% slower)."""
     pairs_fill = num_items // 2 >= MIN_WAVES_FOR_HEAD_PAIRS * num_sms
     return 2 if num_heads % 2 == 0 and pairs_fill else 1
 
@@ -379,7 +379,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale:
     if heads_per_program is None:
         num_sms = getattr(jax.devices()[0], "core_count", None) or _DEFAULT_SMS
         heads_per_program = default_heads_per_program(num_blocks * num_heads, num_heads, num_sms)
-    if num_heads % heads_per_program:
+    if heads_per_program < 1 or num_heads % heads_per_program:
         raise ValueError(f"heads_per_program={heads_per_program} does not divide the {num_heads} query heads")
 
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
