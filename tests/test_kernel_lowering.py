@@ -112,9 +112,10 @@ def test_prefill_mosaic_gpu_pairs_heads_only_where_programs_fill_the_gpu():
     assert prefill_mgpu.default_heads_per_program(67 * 33, 33, 132) == 1  # odd head count
     md = AttentionMetadata(positions=S((64,), I32), slot_mapping=S((64,), I32), token_seq_ids=S((64,), I32),
                            block_tables=S((1, 4), I32), seq_lens=S((1,), I32), logits_indices=S((1,), I32))
-    with pytest.raises(ValueError, match="heads_per_program=3 does not divide the 4 query heads"):
-        _lower_for_gpu(functools.partial(prefill_mgpu.ragged_paged_attention, scale=0.1, heads_per_program=3),
-                       S((64, 4, 128), BF16), S((4, 4, 16, 128), BF16), S((4, 4, 16, 128), BF16), md)
+    for bad in (3, 0):
+        with pytest.raises(ValueError, match=f"heads_per_program={bad} does not divide the 4 query heads"):
+            _lower_for_gpu(functools.partial(prefill_mgpu.ragged_paged_attention, scale=0.1, heads_per_program=bad),
+                           S((64, 4, 128), BF16), S((4, 4, 16, 128), BF16), S((4, 4, 16, 128), BF16), md)
 
 
 def test_prefill_mosaic_gpu_refuses_what_it_does_not_take():
