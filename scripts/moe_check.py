@@ -219,18 +219,20 @@ ONE_TOKEN_SHAPES = {**SHAPES, "minimax-m2": dict(experts=256, top_k=8, hidden=30
                                                  bias=False)}
 
 
-def one_token_check(bandwidth):
+def one_token_check(bandwidth, shapes=tuple(ONE_TOKEN_SHAPES), sweep=True):
     """One token: the one-token kernels' parity (against the float32 reference, and their difference from
     the grouped kernel), and the kernel time of each next to the grouped kernel's (its two kernels and
-    the slot sum), by a profiler trace, on the bytes of the touched experts; a few blockings of each."""
+    the slot sum), by a profiler trace, on the bytes of the touched experts; with ``sweep``, a few
+    blockings of each."""
     B = one_token_pallas.Blocking
     variants = {"grouped": None, "one_token": {}, "one_token_slots_apart": dict(sum_slots=False)}
-    for blocking in (B(2, 1024), B(8, 512), B(8, 1024, 8), B(4, 512), B(4, 1024, 4, 4)):
+    for blocking in (B(2, 1024), B(8, 512), B(8, 1024, 8), B(4, 512), B(4, 1024, 4, 4)) if sweep else ():
         variants[f"one_token_gate_up_{tuple(blocking)}"] = dict(gate_up_blocking=blocking)
-    for blocking in (B(2, 1024), B(8, 256), B(4, 256), B(8, 512), B(4, 1024, 8), B(4, 1024, 4, 4)):
+    for blocking in (B(2, 1024), B(8, 256), B(4, 256), B(8, 512), B(4, 1024, 8), B(4, 1024, 4, 4)) if sweep else ():
         variants[f"one_token_down_{tuple(blocking)}"] = dict(down_blocking=blocking)
     rows = []
-    for name, shape in ONE_TOKEN_SHAPES.items():
+    for name in shapes:
+        shape = ONE_TOKEN_SHAPES[name]
         act = shape["activation"]
         x, ids, weights, params = make(shape, 1)
         ref = reference.moe_mlp(x.astype(jnp.float32), ids, weights.astype(jnp.float32),
@@ -274,6 +276,8 @@ def main():
     parser.add_argument("--skip-parity", action="store_true")
     parser.add_argument("--only-one-token", action="store_true",
                         help="only the one-token kernels against the grouped kernel (writes moe_one_token.json)")
+    parser.add_argument("--one-token-shapes", nargs="+", choices=sorted(ONE_TOKEN_SHAPES), default=sorted(ONE_TOKEN_SHAPES))
+    parser.add_argument("--one-token-no-sweep", action="store_true", help="the one-token kernels' default blockings only")
     parser.add_argument("--bench-tokens", type=int, nargs="+", default=[1, 8, 64, 4096],
                         help="token counts of the benchmarks")
     parser.add_argument("--parity-tokens", type=int, nargs="+", default=[1, 8, 64, 4096],
@@ -283,7 +287,8 @@ def main():
               "bf16_matmul_TFLOPs": matmul_rate() / 1e12, "timer_overhead_unrolled_us": timer_overhead(unroll=10) * 1e6}
     print(result, flush=True)
     if args.only_one_token:
-        result["one_token"] = one_token_check(result["copy_bandwidth_TBps"] * 1e12)
+        result["one_token"] = one_token_check(result["copy_bandwidth_TBps"] * 1e12, args.one_token_shapes,
+                                              sweep=not args.one_token_no_sweep)
         print("one-token parity ok:", all(r["ok"] for r in result["one_token"] if r["variant"] != "grouped" and "ok" in r))
         print("wrote", write_json("moe_one_token.json", result))
         return
