@@ -4,12 +4,9 @@ the comparison.
 
 A variant replaces one GPU op by another implementation while the variant's engine compiles (its
 steps trace, and so pick their ops, then). ``unfused-rotary-decode``: the q/k norm + RoPE + cache write
-as its own kernel before the decode attention kernel, instead of inside it. ``one-token-moe``: the MoE
-expert MLP of a one-token step through the one-token kernels (``moe/one_token_pallas.py``) instead of
-the grouped GEMM (other steps keep it).
+as its own kernel before the decode attention kernel, instead of inside it.
 
     PYTHONPATH=. python3 scripts/decode_ab.py --variant unfused-rotary-decode   # Qwen3-30B-A3B, B=1
-    PYTHONPATH=. python3 scripts/decode_ab.py --variant one-token-moe
 """
 
 from __future__ import annotations
@@ -38,15 +35,6 @@ def _unfused_rotary_decode(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, bl
     return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, **options), k_cache, v_cache
 
 
-def _one_token_moe_mlp(x, expert_ids, expert_weights, gate, up, down, *, distinct_experts=False, **options):
-    from jaxinfer.kernels.moe import grouped_pallas, one_token_pallas
-
-    if x.shape[0] == 1:
-        return one_token_pallas.moe_mlp(x, expert_ids, expert_weights, gate, up, down, **options)
-    return grouped_pallas.moe_mlp(x, expert_ids, expert_weights, gate, up, down, distinct_experts=distinct_experts,
-                                  **options)
-
-
 @contextlib.contextmanager
 def _replaced(family, op: str, fn):
     implementations = family._dispatch.implementations["pallas"]
@@ -59,16 +47,14 @@ def _replaced(family, op: str, fn):
 
 
 def variant_context(name: str):
-    from jaxinfer.kernels import attention, moe
+    from jaxinfer.kernels import attention
 
     if name == "unfused-rotary-decode":
         return _replaced(attention, "rotary_paged_decode_attention", _unfused_rotary_decode)
-    if name == "one-token-moe":
-        return _replaced(moe, "moe_mlp", _one_token_moe_mlp)
     raise ValueError(f"unknown variant {name!r}")
 
 
-VARIANTS = ("unfused-rotary-decode", "one-token-moe")
+VARIANTS = ("unfused-rotary-decode",)
 
 
 def main():

@@ -1,10 +1,8 @@
 """GPU proof for the MoE kernels: parity against the reference at real shapes, and benchmarks of the
 grouped GEMM next to XLA's ragged_dot, jax's Mosaic GPU ragged_dot_mgpu, the dense matmul rate and the
-copy bandwidth, all measured in the same run; the routing kernel against the jnp router it replaces; the one-token
-kernels (``one_token_pallas.py``) against the grouped kernel at one token.
+copy bandwidth, all measured in the same run; the routing kernel against the jnp router it replaces.
 
     PYTHONPATH=. python3 scripts/moe_check.py             # writes moe_check.json to $JAXINFER_BENCH_DIR (or .)
-    PYTHONPATH=. python3 scripts/moe_check.py --only-one-token   # the one-token check alone (moe_one_token.json)
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ from benchlib import (copy_bandwidth, device_time, environment, kernel_breakdown
                       timer_overhead, write_json)
 
 from jaxinfer.kernels.moe import reference  # noqa: E402
-from jaxinfer.kernels.moe import grouped_pallas, grouping, grouping_pallas, one_token_pallas, router_pallas  # noqa: E402
+from jaxinfer.kernels.moe import grouped_pallas, grouping, grouping_pallas, router_pallas  # noqa: E402
 
 SHAPES = {
     "qwen3-30b-a3b": dict(experts=128, top_k=8, hidden=2048, inter=768, activation="silu", bias=False),
@@ -215,58 +213,6 @@ def decode_sweep(bandwidth):
     return rows
 
 
-ONE_TOKEN_SHAPES = {**SHAPES, "minimax-m2": dict(experts=256, top_k=8, hidden=3072, inter=1536, activation="silu",
-                                                 bias=False)}
-
-
-def one_token_check(bandwidth, shapes=tuple(ONE_TOKEN_SHAPES), sweep=True):
-    """One token: the one-token kernels' parity (against the float32 reference, and their difference from
-    the grouped kernel), and the kernel time of each next to the grouped kernel's (its two kernels and
-    the slot sum), by a profiler trace, on the bytes of the touched experts; with ``sweep``, a few
-    blockings of each."""
-    B = one_token_pallas.Blocking
-    variants = {"grouped": None, "one_token": {}, "one_token_slots_apart": dict(sum_slots=False)}
-    for blocking in (B(2, 1024), B(8, 512), B(8, 1024, 8), B(4, 512), B(4, 1024, 4, 4)) if sweep else ():
-        variants[f"one_token_gate_up_{tuple(blocking)}"] = dict(gate_up_blocking=blocking)
-    for blocking in (B(2, 1024), B(8, 256), B(4, 256), B(8, 512), B(4, 1024, 8), B(4, 1024, 4, 4)) if sweep else ():
-        variants[f"one_token_down_{tuple(blocking)}"] = dict(down_blocking=blocking)
-    rows = []
-    for name in shapes:
-        shape = ONE_TOKEN_SHAPES[name]
-        act = shape["activation"]
-        x, ids, weights, params = make(shape, 1)
-        ref = reference.moe_mlp(x.astype(jnp.float32), ids, weights.astype(jnp.float32),
-                                **{k: v.astype(jnp.float32) for k, v in params.items()}, activation=act)
-        scale = float(jnp.max(jnp.abs(ref))) + 1e-6
-        grouped_out = grouped_pallas.moe_mlp(x, ids, weights, **params, activation=act, distinct_experts=True)
-        expert_bytes = len(np.unique(np.asarray(ids))) * 3 * shape["hidden"] * shape["inter"] * 2
-        for variant, options in variants.items():
-            if options is None:
-                fn = lambda x, ids, w, p: grouped_pallas.moe_mlp(x, ids, w, **p, activation=act,  # noqa: E731
-                                                                 distinct_experts=True)
-            else:
-                fn = lambda x, ids, w, p, o=options: one_token_pallas.moe_mlp(x, ids, w, **p, activation=act, **o)  # noqa: E731
-            row = {"shape": name, "variant": variant}
-            try:
-                out = jax.jit(fn)(x, ids, weights, params)
-                kernels = kernel_breakdown(fn, x, ids, weights, params)
-            except Exception as e:  # a blocking Triton cannot compile
-                row["error"] = str(e)[:300]
-                rows.append(row)
-                print(row, flush=True)
-                continue
-            err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref))) / scale
-            seconds = sum(kernels.values()) * 1e-6
-            row.update(max_rel_err=err, ok=err < 3e-2,
-                       max_rel_diff_from_grouped=float(jnp.max(jnp.abs(out.astype(jnp.float32)
-                                                                       - grouped_out.astype(jnp.float32)))) / scale,
-                       kernel_us=seconds * 1e6, kernel_bw_fraction=expert_bytes / seconds / bandwidth,
-                       kernels_us=kernels)
-            rows.append(row)
-            print(row, flush=True)
-    return rows
-
-
 def main():
     import argparse
 
@@ -274,10 +220,6 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="also sweep the prefill launch parameters")
     parser.add_argument("--sweep-decode", action="store_true", help="also sweep the decode launch parameters")
     parser.add_argument("--skip-parity", action="store_true")
-    parser.add_argument("--only-one-token", action="store_true",
-                        help="only the one-token kernels against the grouped kernel (writes moe_one_token.json)")
-    parser.add_argument("--one-token-shapes", nargs="+", choices=sorted(ONE_TOKEN_SHAPES), default=sorted(ONE_TOKEN_SHAPES))
-    parser.add_argument("--one-token-no-sweep", action="store_true", help="the one-token kernels' default blockings only")
     parser.add_argument("--bench-tokens", type=int, nargs="+", default=[1, 8, 64, 4096],
                         help="token counts of the benchmarks")
     parser.add_argument("--parity-tokens", type=int, nargs="+", default=[1, 8, 64, 4096],
@@ -286,12 +228,6 @@ def main():
     result = {"environment": environment(), "copy_bandwidth_TBps": copy_bandwidth() / 1e12,
               "bf16_matmul_TFLOPs": matmul_rate() / 1e12, "timer_overhead_unrolled_us": timer_overhead(unroll=10) * 1e6}
     print(result, flush=True)
-    if args.only_one_token:
-        result["one_token"] = one_token_check(result["copy_bandwidth_TBps"] * 1e12, args.one_token_shapes,
-                                              sweep=not args.one_token_no_sweep)
-        print("one-token parity ok:", all(r["ok"] for r in result["one_token"] if r["variant"] != "grouped" and "ok" in r))
-        print("wrote", write_json("moe_one_token.json", result))
-        return
     if not args.skip_parity:
         result["parity"] = parity(args.parity_tokens)
         write_json("moe_check.json", result)

@@ -21,7 +21,6 @@ from jaxinfer.kernels.attention.rotary_pallas import rotary_cache_write
 from jaxinfer.kernels.linear.skinny_pallas import project
 from jaxinfer.kernels.moe.grouped_pallas import moe_mlp
 from jaxinfer.kernels.moe.grouping_pallas import group_by_expert
-from jaxinfer.kernels.moe import one_token_pallas
 from jaxinfer.kernels.moe.router_pallas import route
 from jaxinfer.kernels.norm.rms_norm_pallas import add_rms_norm
 
@@ -158,24 +157,6 @@ def test_moe_lowers(tokens, experts, top_k, hidden, inter, grouping_kernels):
                           S((experts, hidden, inter), BF16))
     assert "moe_gate_up" in text and "moe_down" in text
     assert ("moe_group_place" in text) == grouping_kernels
-
-
-@pytest.mark.parametrize("experts, top_k, hidden, inter, bias", [
-    (128, 8, 2048, 768, False), (32, 4, 2880, 2880, True), (256, 8, 3072, 1536, False)])
-@pytest.mark.parametrize("sum_slots", [True, False])
-def test_moe_one_token_lowers(experts, top_k, hidden, inter, bias, sum_slots):
-    biases = dict(gate_bias=S((experts, inter), BF16), up_bias=S((experts, inter), BF16),
-                  down_bias=S((experts, hidden), BF16)) if bias else {}
-
-    def fn(x, ids, weights, gate, up, down, biases):
-        return one_token_pallas.moe_mlp(x, ids, weights, gate, up, down, **biases, sum_slots=sum_slots,
-                                        activation="gpt_oss" if bias else "silu")
-
-    text = _lower_for_gpu(fn, S((1, hidden), BF16), S((1, top_k), I32), S((1, top_k), BF16),
-                          S((experts, inter, hidden), BF16), S((experts, inter, hidden), BF16),
-                          S((experts, hidden, inter), BF16), biases)
-    assert "moe_one_token_gate_up" in text and "moe_one_token_down" in text
-    assert ("_summed" in text) == sum_slots
 
 
 @pytest.mark.parametrize("pairs, experts, block_m", [(32768, 128, 128), (1000, 300, 16), (16384, 32, 128)])

@@ -4,8 +4,7 @@
 semantic truth; grouped matmuls through ``jax.lax.ragged_dot``) on CPU, the Pallas kernels on GPU
 (``router_pallas.py``: scoring, top-k and weights in one launch, used at the sizes where it measured
 faster; ``grouped_pallas.py``: the grouped GEMMs). ``set_implementation("reference")`` forces the
-reference. ``one_token_pallas.py`` (one token's expert MLP as matrix-vector kernels) is not
-dispatched until it has measured faster than the grouped kernel inside the decode step.
+reference.
 """
 
 from __future__ import annotations

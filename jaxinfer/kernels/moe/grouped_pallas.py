@@ -55,7 +55,10 @@ cores over (slot, ``I`` step) pairs, 16 columns a program) took 21.6 us where th
 slot sum take 8.4 + 1.0: too few programs, each with too much to read. Routing inside the gate + up
 kernel (every program ranks the experts before its weight loads can start) made that kernel 3.4 us
 slower (18.6 against 15.2), more than the 2.2 us routing kernel it spared; for GPT-OSS-20B's 32
-experts the pair was 0.9 us faster, for MiniMax-M2's 256 18 us slower.
+experts the pair was 0.9 us faster, for MiniMax-M2's 256 18 us slower. Matrix-vector kernels on the
+CUDA cores instead of the 16-row MMA tiles (4 weight rows by 1024 columns a program, as the few-row
+projection; branch ``tried/moe-one-token-matvec``) read no faster: gate + up 15.0 us against 14.6,
+down 10.0 against 8.8 (and 13.4-14.5 with the slot sum inside it, 512 programs).
 """
 
 from __future__ import annotations
