@@ -3,8 +3,14 @@ and their timed calls alternate, so the few percent the GPU drifts between proce
 the comparison.
 
 A variant replaces one GPU op by another implementation while the variant's engine compiles (its
-steps trace, and so pick their ops, then). ``unfused-rotary-decode``: the q/k norm + RoPE + cache write
-as its own kernel before the decode attention kernel, instead of inside it.
+steps trace, and so pick their ops, then). The variants:
+
+- ``unfused-rotary-decode``: the q/k norm + RoPE + cache write as its own kernel before the decode
+  attention kernel, instead of inside it.
+- ``skinny-router``: the MoE router's projection on the few-row Triton projection kernel instead of
+  XLA's (a run of Triton kernels from the norm to the experts).
+- ``skinny-one-row``: the same for every one-row projection narrower than 65536 outputs (the router
+  and the o projection; not the LM head).
 
     PYTHONPATH=. python3 scripts/decode_ab.py --variant unfused-rotary-decode   # Qwen3-30B-A3B, B=1
 """
@@ -51,10 +57,24 @@ def variant_context(name: str):
 
     if name == "unfused-rotary-decode":
         return _replaced(attention, "rotary_paged_decode_attention", _unfused_rotary_decode)
+    if name in ("skinny-router", "skinny-one-row"):
+        from jaxinfer.kernels import linear
+        from jaxinfer.kernels.linear import reference as linear_reference
+        from jaxinfer.kernels.linear import skinny_pallas
+
+        widest = 1024 if name == "skinny-router" else 65535  # the router alone; also the o projection
+
+        def project(x, weights, biases=None, **options):
+            rows = x.size // x.shape[-1]
+            if rows == 1 and (len(weights) > 1 or weights[0].shape[0] <= widest):
+                return skinny_pallas.project(x, weights, biases, **options)
+            return linear_reference.project(x, weights, biases)
+
+        return _replaced(linear, "project", project)
     raise ValueError(f"unknown variant {name!r}")
 
 
-VARIANTS = ("unfused-rotary-decode",)
+VARIANTS = ("unfused-rotary-decode", "skinny-router", "skinny-one-row")
 
 
 def main():

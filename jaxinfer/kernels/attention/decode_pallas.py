@@ -42,7 +42,9 @@ against 16.2; such loop figures moved by 2-3 us between runs of this size). Insi
 Qwen3-30B-A3B step at B=1 it was faster in 6 of 7 alternating rounds, 3.16 against 3.20 ms per
 step (``scripts/decode_ab.py``); the Llama-3-8B step at one sequence of 4096 was even (4.80 against
 4.79 ms). Issuing the K/V reads before the rotation made the kernel slower
-(4.9 us) and the step no faster.
+(4.9 us) and the step no faster. Extra programs that start an L2 prefetch of the o projection's
+weight while the attention runs (bulk prefetches, branch ``tried/l2-bulk-prefetch``) made that step
+2.3% slower (``benchmarks/results/2026-11-30-h200-r3/``).
 """
 
 from __future__ import annotations

@@ -7,7 +7,10 @@ without ``--reference linear``, H200): several projections of one row, i.e. an a
 q/k/v and a gated MLP's gate/up at a batch-1 decode step. Qwen3-30B-A3B's q/k/v took 7.65 us per
 layer there against XLA's two kernels' 8.95. At 8 rows XLA's GEMM was as fast (9.9 against 10.2
 us), and a single projection stays on XLA, whose matrix-vector kernel was faster on its own
-(``scripts/linear_check.py``: 4.3 us against 6.7 for that model's o_proj).
+(``scripts/linear_check.py``: 4.3 us against 6.7 for that model's o_proj). Inside that model's
+step too: with the router on this kernel the step was 1.4% slower, with the router and the o
+projection 3.3% (``scripts/decode_ab.py --variant skinny-router`` / ``skinny-one-row``,
+``benchmarks/results/2026-11-30-h200-r3/``).
 ``set_implementation("reference")`` forces the reference.
 
 Tried and not kept: the block's residual add + RMSNorm as this kernel's prologue (every program

@@ -58,7 +58,10 @@ slower (18.6 against 15.2), more than the 2.2 us routing kernel it spared; for G
 experts the pair was 0.9 us faster, for MiniMax-M2's 256 18 us slower. Matrix-vector kernels on the
 CUDA cores instead of the 16-row MMA tiles (4 weight rows by 1024 columns a program, as the few-row
 projection; branch ``tried/moe-one-token-matvec``) read no faster: gate + up 15.0 us against 14.6,
-down 10.0 against 8.8 (and 13.4-14.5 with the slot sum inside it, 512 programs).
+down 10.0 against 8.8 (and 13.4-14.5 with the slot sum inside it, 512 programs). The gate + up
+programs starting an L2 prefetch of their expert's down weights (bulk prefetches, as each program
+finishes or starts; branch ``tried/l2-bulk-prefetch``) made the whole step 2.1% / 5.5% slower: gate
++ up already keeps HBM busy.
 """
 
 from __future__ import annotations
