@@ -60,8 +60,8 @@ CUDA cores instead of the 16-row MMA tiles (4 weight rows by 1024 columns a prog
 projection; branch ``tried/moe-one-token-matvec``) read no faster: gate + up 15.0 us against 14.6,
 down 10.0 against 8.8 (and 13.4-14.5 with the slot sum inside it, 512 programs). The gate + up
 programs starting an L2 prefetch of their expert's down weights (bulk prefetches, as each program
-finishes or starts; branch ``tried/l2-bulk-prefetch``) made the whole step 2.1% / 5.5% slower: gate
-+ up already keeps HBM busy.
+finishes or starts; branch ``tried/l2-bulk-prefetch``) made the whole step 2.1% / 5.5% slower: the
+gate + up kernel already keeps HBM busy.
 """
 
 from __future__ import annotations
