@@ -11,6 +11,8 @@ steps trace, and so pick their ops, then). The variants:
   XLA's (a run of Triton kernels from the norm to the experts).
 - ``skinny-one-row``: the same for every one-row projection narrower than 65536 outputs (the router
   and the o projection; not the LM head).
+- ``moe-down-four-stages``: the decode-sized MoE down projection in 4 pipeline stages at every
+  token count (the default takes 3 from 2 tokens on).
 
     PYTHONPATH=. python3 scripts/decode_ab.py --variant unfused-rotary-decode   # Qwen3-30B-A3B, B=1
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -71,10 +74,16 @@ def variant_context(name: str):
             return linear_reference.project(x, weights, biases)
 
         return _replaced(linear, "project", project)
+    if name == "moe-down-four-stages":
+        from jaxinfer.kernels import moe
+        from jaxinfer.kernels.moe import grouped_pallas
+
+        return _replaced(moe, "moe_mlp", functools.partial(grouped_pallas.moe_mlp,
+                                                           down_tuning=grouped_pallas.KernelTuning(num_stages=4)))
     raise ValueError(f"unknown variant {name!r}")
 
 
-VARIANTS = ("unfused-rotary-decode", "skinny-router", "skinny-one-row")
+VARIANTS = ("unfused-rotary-decode", "skinny-router", "skinny-one-row", "moe-down-four-stages")
 
 
 def main():

@@ -163,6 +163,12 @@ def test_default_block_sizes(hidden, inter, num_tokens, top_k, num_experts):
         assert c["num_warps"] in (4, 8) and 1 <= c["num_stages"] <= 4
 
 
+def test_decode_down_pipeline_depth():
+    # One token keeps 4 stages; from two tokens on the down kernel runs 3 (the faster setting there).
+    stages = {t: grouped_pallas.default_block_sizes(t, 8, 128, 2048, 768)["down"]["num_stages"] for t in (1, 2, 8)}
+    assert stages == {1: 4, 2: 3, 8: 3}
+
+
 def test_rejects_bad_blocks_and_shapes():
     x, ids, weights, params = make_case(2, 2, 4, 80, 48, jnp.float32)
     with pytest.raises(ValueError, match="block_m"):

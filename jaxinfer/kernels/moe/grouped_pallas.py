@@ -115,7 +115,8 @@ def default_block_sizes(num_tokens: int, top_k: int, num_experts: int, hidden: i
     Returns ``block_m`` and, per kernel (``"gate_up"``, ``"down"``), ``block_n``, ``block_k``,
     ``num_warps``, ``num_stages``. Decode-sized (``block_m <= 32``, memory bound): narrow column blocks
     (32; 64 for down, which ran 0.4-4 us faster than 32 at 1 and 8 tokens of both models) for many
-    programs, long ``block_k`` (128) for wide contiguous weight loads, 4 warps, 4 stages.
+    programs, long ``block_k`` (128) for wide contiguous weight loads, 4 warps, 4 stages (3 for down
+    from 2 tokens on).
     Prefill (``block_m`` 64 / 128, compute bound): at 64 rows, 64 (gate and up: two accumulators) or
     128 (down) columns, 4 warps, 4 stages; at 128 rows, 128 or 256 columns, 8 warps, 4 stages;
     ``block_k`` 64.
@@ -127,7 +128,10 @@ def default_block_sizes(num_tokens: int, top_k: int, num_experts: int, hidden: i
         block_m = min(128, max(16, _next_pow2(2 * -(-rows // num_experts))))
     if block_m <= 32:
         gate_up = dict(block_n=32, block_k=128, num_warps=4, num_stages=4)
-        down = dict(block_n=64, block_k=128, num_warps=4, num_stages=4)
+        # Down in 3 stages from 2 tokens on: 3-9% faster at 2-8 tokens of Qwen3-30B-A3B, even at 16
+        # and 32, and about 1% slower at one token, which keeps 4
+        # (benchmarks/results/2026-11-30-h200-r4/moe_stage_probe.json; GPT-OSS's shape not timed).
+        down = dict(block_n=64, block_k=128, num_warps=4, num_stages=3 if num_tokens > 1 else 4)
     elif block_m == 64:
         gate_up = dict(block_n=64, block_k=64, num_warps=4, num_stages=4)
         down = dict(block_n=128, block_k=64, num_warps=4, num_stages=4)
