@@ -8,7 +8,7 @@ every dense weight, the experts the step's tokens touch (for MoE: the expected n
 experts when each token picks top-k uniformly at random, per layer), and every sequence's KV cache.
 HF transformers (PyTorch, eager, dynamic cache) runs the same model shape in a subprocess.
 
-    PYTHONPATH=. python3 scripts/bench_decode.py                  # writes bench_decode.json to $JAXINFER_BENCH_DIR (or .)
+    PYTHONPATH=. python3 scripts/bench_decode.py                  # bench_decode_<model>.json in $JAXINFER_BENCH_DIR
     PYTHONPATH=. python3 scripts/bench_decode.py --layers 4       # a quicker, shallower model
     PYTHONPATH=. python3 scripts/bench_decode.py --model qwen3-30b-a3b --batches 1 32 --contexts 512 --hf-batches
 """
@@ -265,10 +265,10 @@ def main():
     result["copy_bandwidth_TBps"] = copy_bandwidth() / 1e12
     def save(partial):
         result["jaxinfer"] = partial
-        write_json("bench_decode.json", result)
+        write_json(f"bench_decode_{args.model}.json", result)
 
     result["jaxinfer"] = bench_jax(args, result["copy_bandwidth_TBps"] * 1e12, save)
-    print("wrote", write_json("bench_decode.json", result))
+    print("wrote", write_json(f"bench_decode_{args.model}.json", result))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,10 @@ steps trace, and so pick their ops, then). The variants:
   and the o projection; not the LM head).
 - ``moe-down-four-stages``: the decode-sized MoE down projection in 4 pipeline stages at every
   token count (the default takes 3 from 2 tokens on).
+- ``unfused-norm-project``: a block's residual add + RMSNorm as its own kernel before the few-row
+  projection kernel, instead of folded into it (``linear.norm_project`` at one row).
+- ``decode-blocks-32``: the fused decode attention over 32-token KV blocks (one split each), where
+  the default stops halving at 64.
 
     PYTHONPATH=. python3 scripts/decode_ab.py --variant unfused-rotary-decode   # Qwen3-30B-A3B, B=1
 """
@@ -56,12 +60,11 @@ def _replaced(family, op: str, fn):
 
 
 def variant_context(name: str):
-    from jaxinfer.kernels import attention
+    from jaxinfer.kernels import attention, linear, moe
 
     if name == "unfused-rotary-decode":
         return _replaced(attention, "rotary_paged_decode_attention", _unfused_rotary_decode)
     if name in ("skinny-router", "skinny-one-row"):
-        from jaxinfer.kernels import linear
         from jaxinfer.kernels.linear import reference as linear_reference
         from jaxinfer.kernels.linear import skinny_pallas
 
@@ -75,15 +78,31 @@ def variant_context(name: str):
 
         return _replaced(linear, "project", project)
     if name == "moe-down-four-stages":
-        from jaxinfer.kernels import moe
         from jaxinfer.kernels.moe import grouped_pallas
 
         return _replaced(moe, "moe_mlp", functools.partial(grouped_pallas.moe_mlp,
                                                            down_tuning=grouped_pallas.KernelTuning(num_stages=4)))
+    if name == "unfused-norm-project":
+        return _replaced(linear, "norm_project", _norm_then_project)
+    if name == "decode-blocks-32":
+        from jaxinfer.kernels.attention import decode_pallas
+
+        return _replaced(attention, "rotary_paged_decode_attention",
+                         functools.partial(decode_pallas.rotary_paged_decode_attention, block_tokens=32))
     raise ValueError(f"unknown variant {name!r}")
 
 
-VARIANTS = ("unfused-rotary-decode", "skinny-router", "skinny-one-row", "moe-down-four-stages")
+def _norm_then_project(x, residual, norm_weight, weights, biases=None, *, eps, unit_offset=False,
+                       float32_weight=False):
+    from jaxinfer.kernels import linear, norm
+
+    normed, summed = norm.add_rms_norm(x, residual, norm_weight, eps, unit_offset=unit_offset,
+                                       float32_weight=float32_weight)
+    return linear.project(normed, weights, biases), summed
+
+
+VARIANTS = ("unfused-rotary-decode", "skinny-router", "skinny-one-row", "moe-down-four-stages", "unfused-norm-project",
+            "decode-blocks-32")
 
 
 def main():

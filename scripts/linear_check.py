@@ -1,6 +1,6 @@
 """GPU proof for the few-row projection kernel: parity against XLA's matmuls at the real models'
-shapes, and its kernel time next to XLA's (both from profiler traces) and the copy bandwidth, all
-measured in the same run.
+shapes (also of its norm-folding form, ``norm_project``), and its kernel time next to XLA's (both
+from profiler traces) and the copy bandwidth, all measured in the same run.
 
 Timings cycle through copies of the weights, together three times the L2 cache (as a model's layers
 do), so that each call reads its weights from HBM; at most 32 copies, so the router's 0.5 MB stays
@@ -8,6 +8,7 @@ partly L2-resident.
 
     PYTHONPATH=. python3 scripts/linear_check.py            # writes linear_check.json to $JAXINFER_BENCH_DIR (or .)
     PYTHONPATH=. python3 scripts/linear_check.py --sweep    # also the launch parameters at one row
+    PYTHONPATH=. python3 scripts/linear_check.py --only-norm-parity   # norm_project's parity alone
 """
 
 from __future__ import annotations
@@ -72,6 +73,40 @@ def parity():
     return rows_out
 
 
+def norm_parity():
+    """``norm_project`` at one row for the shapes that run it (several projections after a norm)."""
+    rows_out = []
+    for name, (out_features, in_features, bias) in SHAPES.items():
+        if len(out_features) < 2:
+            continue
+        for dtype in (jnp.bfloat16, jnp.float32):
+            x, weights, biases = make(out_features, in_features, bias, 1, dtype)
+            key_x, key_r, key_g = jax.random.split(jax.random.PRNGKey(len(name)), 3)
+            x = (3 * jax.random.normal(key_x, x.shape, jnp.float32) + 0.5).astype(dtype)  # an RMS far from 1
+            residual = jax.random.normal(key_r, x.shape, jnp.float32).astype(dtype)
+            g = jax.random.uniform(key_g, (in_features,), jnp.float32, 0.5, 1.5).astype(dtype)
+            summed = x + residual
+            got = skinny_pallas.norm_project(summed, g, weights, biases, eps=1e-6)
+            f32 = lambda a: None if a is None else a.astype(jnp.float32)  # noqa: E731
+            with jax.default_matmul_precision("highest"):
+                exact, _ = reference.norm_project(f32(summed), None, f32(g), [f32(w) for w in weights],
+                                                  None if biases is None else [f32(b) for b in biases], eps=1e-6)
+                rounded, _ = reference.norm_project(summed, None, g, weights, biases, eps=1e-6)
+
+            def rel(a, b):
+                return max(float(jnp.max(jnp.abs(u.astype(jnp.float32) - v.astype(jnp.float32))))
+                           / (float(jnp.max(jnp.abs(v.astype(jnp.float32)))) + 1e-6) for u, v in zip(a, b))
+
+            err, reference_err = rel(got, exact), rel(rounded, exact)
+            # The kernel keeps the normalised row in float32: it must be at least as close to the exact
+            # result as the reference, which rounds that row to the activations' dtype.
+            ok = err <= max(reference_err, 1e-5 if dtype == jnp.float32 else 1e-2)
+            rows_out.append({"shape": name, "dtype": jnp.dtype(dtype).name, "max_rel_err_vs_float32": err,
+                             "reference_max_rel_err_vs_float32": reference_err, "ok": ok})
+            print(rows_out[-1], flush=True)
+    return rows_out
+
+
 def cold_sets(out_features, in_features, bias):
     """Weight sets, together at least three times the L2 cache, and the bytes of one."""
     nbytes = sum(out_features) * in_features * 2
@@ -129,10 +164,16 @@ def main():
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sweep", action="store_true", help="also sweep the launch parameters at one row")
+    parser.add_argument("--only-norm-parity", action="store_true", help="norm_project's parity alone")
     args = parser.parse_args()
+    if args.only_norm_parity:
+        result = {"environment": environment(), "norm_parity": norm_parity()}
+        print("wrote", write_json("linear_check_norm_parity.json", result))
+        return
     result = {"environment": environment(), "copy_bandwidth_TBps": copy_bandwidth() / 1e12}
     print(result, flush=True)
     result["parity"] = parity()
+    result["norm_parity"] = norm_parity()
     write_json("linear_check.json", result)
     result["benchmarks"] = benchmarks(result["copy_bandwidth_TBps"] * 1e12)
     if args.sweep:

@@ -18,7 +18,7 @@ from jaxinfer.kernels.attention.decode_pallas import paged_decode_attention, rot
 from jaxinfer.kernels.attention import prefill_mgpu
 from jaxinfer.kernels.attention.prefill_pallas import ragged_paged_attention
 from jaxinfer.kernels.attention.rotary_pallas import rotary_cache_write
-from jaxinfer.kernels.linear.skinny_pallas import project
+from jaxinfer.kernels.linear.skinny_pallas import norm_project, project
 from jaxinfer.kernels.moe.grouped_pallas import moe_mlp
 from jaxinfer.kernels.moe.grouping_pallas import group_by_expert
 from jaxinfer.kernels.moe.router_pallas import route
@@ -209,3 +209,15 @@ def test_project_lowers(rows, out_features, in_features, bias):
     biases = tuple(S((n,), BF16) for n in out_features) if bias else None
     text = _lower_for_gpu(lambda x, w, b: project(x, w, b), S((rows, in_features), BF16), weights, biases)
     assert "project_block_n" in text
+
+
+@pytest.mark.parametrize("out_features, in_features, bias", [
+    ((4096, 512, 512), 2048, False),  # Qwen3-30B-A3B q/k/v after its input norm
+    ((2880, 2880), 2880, True),       # a row not a multiple of the block, with biases
+])
+def test_norm_project_lowers(out_features, in_features, bias):
+    weights = tuple(S((n, in_features), BF16) for n in out_features)
+    biases = tuple(S((n,), BF16) for n in out_features) if bias else None
+    text = _lower_for_gpu(lambda x, g, w, b: norm_project(x, g, w, b, eps=1e-6), S((1, in_features), BF16),
+                          S((in_features,), BF16), weights, biases)
+    assert "norm_project_block_n" in text

@@ -1,4 +1,5 @@
-"""The few-row projection kernel (interpret mode, CPU) against its reference, and the op's checks."""
+"""The few-row projection kernel and its norm-folding form (interpret mode, CPU) against their
+references, and the ops' checks."""
 
 from __future__ import annotations
 
@@ -60,6 +61,50 @@ def test_bad_input_is_refused():
         skinny_pallas.project(jnp.zeros((1, 0)), [jnp.zeros((4, 0))], interpret=True)
     with pytest.raises(ValueError, match="block_n"):
         skinny_pallas.project(x, weights, blocking=skinny_pallas.Blocking(4, 64, 4, 3), interpret=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize("blocking", [None, skinny_pallas.Blocking(16, 32, 4, 2)])  # 200 columns: masked K blocks
+def test_norm_project_matches_reference(dtype, unit_offset, blocking):
+    x, weights, biases = _case(1, (48, 20, 7), 200, dtype, (None, dtype, jnp.float32), seed=3)
+    x = x * 3.0 + 0.5  # an RMS far from 1, so that a missing or misplaced scale shows
+    g = jnp.asarray(np.random.RandomState(4).uniform(0.5, 1.5, 200), dtype)
+    got = skinny_pallas.norm_project(x, g, weights, biases, eps=1e-6, unit_offset=unit_offset, blocking=blocking,
+                                     interpret=True)
+    # The kernel never rounds the normalised row, so the oracle is the reference in float32 on the same
+    # (already rounded) inputs; the bf16 outputs then differ by their own rounding.
+    f32 = lambda a: None if a is None else a.astype(jnp.float32)  # noqa: E731
+    want, _ = reference.norm_project(f32(x), None, f32(g), [f32(w) for w in weights],
+                                     [None if b is None else f32(b.astype(dtype)) for b in biases], eps=1e-6,
+                                     unit_offset=unit_offset)
+    assert len(got) == 3
+    for g_out, w_out in zip(got, want):
+        assert g_out.shape == w_out.shape and g_out.dtype == dtype
+        tol = 1e-5 if dtype == jnp.float32 else 2**-7
+        np.testing.assert_allclose(np.asarray(g_out, np.float32), np.asarray(w_out), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("rows", [1, 3])  # the one-launch kernel; the add + norm kernel, then project
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norm_project_op_on_the_kernels(rows, with_residual):
+    x, weights, biases = _case(rows, (32, 16), 64, jnp.float32, (jnp.float32, None), seed=5)
+    residual = jnp.asarray(np.random.RandomState(6).randn(rows, 64), jnp.float32) if with_residual else None
+    g = jnp.asarray(np.random.RandomState(7).uniform(0.5, 1.5, 64), jnp.float32)
+    pallas = linear_ops._dispatch.implementations["pallas"]["norm_project"]
+    got, got_sum = pallas(x, residual, g, weights, biases, eps=1e-5, interpret=True)
+    want, want_sum = linear_ops.norm_project(x, residual, g, weights, biases, eps=1e-5)  # the reference on CPU
+    np.testing.assert_array_equal(np.asarray(got_sum), np.asarray(want_sum))
+    for g_out, w_out in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g_out), np.asarray(w_out), rtol=1e-5, atol=1e-5)
+
+
+def test_norm_project_refuses_bad_input():
+    x, weights, _ = _case(1, (32, 16), 64, jnp.float32, (None, None))
+    with pytest.raises(ValueError, match="norm weight \\(63,\\) must be \\[64\\]"):
+        skinny_pallas.norm_project(x, jnp.ones(63), weights, eps=1e-6, interpret=True)
+    with pytest.raises(ValueError, match="1 to 1 rows"):
+        skinny_pallas.norm_project(jnp.zeros((2, 64)), jnp.ones(64), weights, eps=1e-6, interpret=True)
 
 
 def test_default_blocking():

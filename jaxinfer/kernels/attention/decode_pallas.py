@@ -312,6 +312,8 @@ def default_blocking(num_seqs: int, num_kv_heads: int, pages_per_seq: int, page_
     bf16). With the flat row gather (``scripts/compare_decode.py``), 64 and 128 were within 4% of
     each other at 32 and 128 sequences, 128 stayed ahead at one sequence of 4096 tokens, and at one
     sequence of 512 tokens over 4 KV heads 64-token blocks (32 programs) beat 128 (16 programs).
+    32-token blocks there (72 programs) made the 24-layer Qwen3-30B-A3B step no faster
+    (``scripts/decode_ab.py --variant decode-blocks-32``, ``benchmarks/results/2026-11-30-h200-r5/``).
     """
     pairs = num_seqs * num_kv_heads
     block_bytes = 32768 if pairs < _SMS else 16384  # fewer (sequence, head) pairs than SMs

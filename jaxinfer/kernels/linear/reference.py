@@ -2,12 +2,15 @@
 
 ``project`` applies several projections of one input at once (e.g. an attention block's q, k and v),
 each exactly as ``nn.Linear`` does in HF: ``x @ weight.T`` in x's dtype, then the bias added in that
-dtype. Weights keep the checkpoint's ``[out_features, in_features]`` layout.
+dtype. Weights keep the checkpoint's ``[out_features, in_features]`` layout. ``norm_project`` is a
+pre-norm block's residual add and RMSNorm followed by its first projections.
 """
 
 from __future__ import annotations
 
 import jax
+
+from jaxinfer.kernels.norm.reference import add_rms_norm
 
 
 def check_projections(x, weights, biases) -> None:
@@ -31,3 +34,13 @@ def project(x, weights, biases=None):
         b = None if biases is None else biases[i]
         outputs.append(y if b is None else y + b.astype(y.dtype))
     return tuple(outputs)
+
+
+def norm_project(x, residual, norm_weight, weights, biases=None, *, eps: float, unit_offset: bool = False,
+                 float32_weight: bool = False):
+    """``normed, summed = add_rms_norm(x, residual, norm_weight, eps, ...)`` (``residual=None``: ``x``
+    alone), then ``(project(normed, weights, biases), summed)``: the projections and the residual
+    stream after the add."""
+    normed, summed = add_rms_norm(x, residual, norm_weight, eps, unit_offset=unit_offset,
+                                  float32_weight=float32_weight)
+    return project(normed, weights, biases), summed

@@ -13,6 +13,9 @@ time through the software pipeline, against the few rows of ``x``.
 
 The products of bf16 values are exact in float32 and sum in float32, as XLA's matmul does; only the
 order of the sum differs. The output is rounded to ``x``'s dtype, then the bias is added in it.
+
+``norm_project`` is the same kernel at one row with the RMSNorm before it folded in: the row's
+inverse RMS scales the outputs at the end, so no program waits for the norm before its weight loads.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.kernels.linear import reference
+from jaxinfer.kernels.tiles import load_tile
 
 MAX_ROWS = 16  # the most rows of x the kernel takes (the dispatcher uses it at one row: see __init__.py)
 
@@ -60,32 +64,42 @@ def default_blocking(rows: int, in_features: int) -> Blocking:
     return Blocking(16, min(256, max(16, _next_pow2(in_features))), num_warps=4, num_stages=3)
 
 
+def _weight_block(w_ref, n0, k0, *, block_n: int, block_k: int):
+    """``w[n0:n0+block_n, k0:k0+block_k]``, zeros past the weight's ends."""
+    n_size, k_size = w_ref.shape
+    return load_tile(w_ref.at[pl.ds(n0, block_n), pl.ds(k0, block_k)], n0, k0, n_size=n_size, k_size=k_size,
+                     mask_n=n_size % block_n != 0, mask_k=k_size % block_k != 0)
+
+
+def _store_block(y, b_ref, out_ref, n0, *, rows: int):
+    """Round ``y`` ([rows_pad, block_n], float32) to the output dtype, add the bias in it (as the
+    reference adds it) and store the real rows and columns at ``out[:, n0:]``."""
+    rows_pad, block_n = y.shape
+    n_size = out_ref.shape[1]
+    y = y.astype(out_ref.dtype)
+    col = n0 + lax.broadcasted_iota(jnp.int32, (rows_pad, block_n), 1)
+    row = lax.broadcasted_iota(jnp.int32, (rows_pad, block_n), 0)
+    if b_ref is not None:
+        b_col = n0 + jnp.arange(block_n, dtype=jnp.int32)
+        b = plgpu.load(b_ref.at[b_col], mask=b_col < b_ref.shape[0], other=0.0).astype(out_ref.dtype)
+        y = (y.astype(jnp.float32) + b.astype(jnp.float32)[None, :]).astype(out_ref.dtype)
+    plgpu.store(out_ref.at[row, col], y, mask=(row < rows) & (col < n_size))
+
+
 def _project_block(x_ref, w_ref, b_ref, out_ref, n0, *, rows: int, rows_pad: int, block_n: int, block_k: int,
                    precision):
-    n_size, k_size = w_ref.shape
-    mask_n, mask_k = n_size % block_n != 0, k_size % block_k != 0
-    n_idx = n0 + lax.broadcasted_iota(jnp.int32, (block_n, block_k), 0)
-    k_iota = lax.broadcasted_iota(jnp.int32, (block_n, block_k), 1)
+    k_size = w_ref.shape[1]
+    mask_k = k_size % block_k != 0
     x_rows = lax.broadcasted_iota(jnp.int32, (rows_pad, block_k), 0)
     x_cols = lax.broadcasted_iota(jnp.int32, (rows_pad, block_k), 1)
 
     def body(kb, acc):
         k0 = kb * block_k
-        w_view = w_ref.at[pl.ds(n0, block_n), pl.ds(k0, block_k)]
-        if mask_n or mask_k:
-            w_mask = jnp.ones((block_n, block_k), jnp.bool_)
-            if mask_n:
-                w_mask &= n_idx < n_size
-            if mask_k:
-                w_mask &= (k0 + k_iota) < k_size
-            w = plgpu.load(w_view, mask=w_mask, other=0.0)
-        else:
-            w = w_view[...]
+        w = _weight_block(w_ref, n0, k0, block_n=block_n, block_k=block_k).astype(x_ref.dtype)
         x_mask = x_rows < rows
         if mask_k:
             x_mask &= (k0 + x_cols) < k_size
         xs = plgpu.load(x_ref.at[x_rows, k0 + x_cols], mask=x_mask, other=0.0).astype(x_ref.dtype)
-        w = w.astype(x_ref.dtype)
         if rows_pad == 1:
             return acc + w.astype(jnp.float32) * xs.astype(jnp.float32)
         return acc + plgpu.dot(xs, w, trans_b=True, precision=precision)
@@ -93,18 +107,39 @@ def _project_block(x_ref, w_ref, b_ref, out_ref, n0, *, rows: int, rows_pad: int
     acc_shape = (block_n, block_k) if rows_pad == 1 else (rows_pad, block_n)
     acc = lax.fori_loop(0, pl.cdiv(k_size, block_k), body, jnp.zeros(acc_shape, jnp.float32))
     y = acc.sum(axis=1)[None, :] if rows_pad == 1 else acc
-    y = y.astype(out_ref.dtype)
-    col = n0 + lax.broadcasted_iota(jnp.int32, (rows_pad, block_n), 1)
-    row = lax.broadcasted_iota(jnp.int32, (rows_pad, block_n), 0)
-    col_ok = col < n_size
-    if b_ref is not None:  # added in the output dtype, as the reference adds it
-        b_col = n0 + jnp.arange(block_n, dtype=jnp.int32)
-        b = plgpu.load(b_ref.at[b_col], mask=b_col < n_size, other=0.0).astype(out_ref.dtype)
-        y = (y.astype(jnp.float32) + b.astype(jnp.float32)[None, :]).astype(out_ref.dtype)
-    plgpu.store(out_ref.at[row, col], y, mask=(row < rows) & col_ok)
+    _store_block(y, b_ref, out_ref, n0, rows=rows)
 
 
-def _kernel(x_ref, *refs, has_bias: tuple[bool, ...], block_starts: tuple[int, ...], **options):
+def _norm_project_block(x_ref, g_ref, w_ref, b_ref, out_ref, n0, *, block_n: int, block_k: int, k_size: int,
+                        eps: float, unit_offset: bool):
+    """One row: ``rsqrt(mean(x^2) + eps) * (w @ (g * x))`` for this program's weight rows, the sum of
+    squares taken from the same loads as the products (see ``norm_project``). ``k_size`` is the real
+    row length (the interpreter's operands are padded)."""
+    mask_k = k_size % block_k != 0
+    cols = lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+
+    def body(kb, carry):
+        acc, squares = carry
+        k0 = kb * block_k
+        mask = (k0 + cols) < k_size if mask_k else None
+        x = (x_ref.at[cols * 0, k0 + cols][...] if mask is None
+             else plgpu.load(x_ref.at[cols * 0, k0 + cols], mask=mask, other=0.0)).astype(jnp.float32)
+        g_view = g_ref.at[k0 + cols[0]]
+        g = (g_view[...] if mask is None else plgpu.load(g_view, mask=mask[0], other=0.0)).astype(jnp.float32)
+        scaled = x * ((1.0 + g) if unit_offset else g)[None, :]
+        w = _weight_block(w_ref, n0, k0, block_n=block_n, block_k=block_k).astype(jnp.float32)
+        return acc + w * scaled, squares + x * x
+
+    zeros = (jnp.zeros((block_n, block_k), jnp.float32), jnp.zeros((1, block_k), jnp.float32))
+    acc, squares = lax.fori_loop(0, pl.cdiv(w_ref.shape[1], block_k), body, zeros)
+    inv_rms = lax.rsqrt(squares.sum(axis=1, keepdims=True) / k_size + eps)  # [1, 1]
+    _store_block(acc.sum(axis=1)[None, :] * inv_rms, b_ref, out_ref, n0, rows=1)
+
+
+def _kernel(*refs, num_inputs: int, has_bias: tuple[bool, ...], block_starts: tuple[int, ...], block, block_n: int):
+    """Inputs ``num_inputs`` row operands (x, or x and the norm weight), the weights, their biases;
+    outputs one array per weight. Each program serves one weight: the one whose column blocks hold it."""
+    inputs, refs = refs[:num_inputs], refs[num_inputs:]
     n = len(has_bias)
     w_refs, rest = refs[:n], refs[n:]
     b_refs = []
@@ -112,52 +147,26 @@ def _kernel(x_ref, *refs, has_bias: tuple[bool, ...], block_starts: tuple[int, .
         b_refs.append(rest[0] if flag else None)
         rest = rest[1:] if flag else rest
     out_refs = rest
-    block_n = options["block_n"]
     p = pl.program_id(0)
-    for i in range(n):  # each program serves one weight: the one whose column blocks hold p
+    for i in range(n):
 
         @pl.when((p >= block_starts[i]) & (p < block_starts[i + 1]))
         def _(i=i):
-            _project_block(x_ref, w_refs[i], b_refs[i], out_refs[i], (p - block_starts[i]) * block_n, **options)
+            block(*inputs, w_refs[i], b_refs[i], out_refs[i], (p - block_starts[i]) * block_n)
 
 
-@functools.partial(jax.jit, static_argnames=("blocking", "interpret"))
-def project(x, weights, biases=None, *, blocking: Blocking | None = None, interpret: bool = False):
-    """``reference.project`` for x with at most ``MAX_ROWS`` rows (leading axes flattened), every
-    weight in one launch. ``blocking`` overrides ``default_blocking``."""
-    weights = tuple(weights)
-    biases = (None,) * len(weights) if biases is None else tuple(biases)
-    reference.check_projections(x, weights, biases)
-    lead, k_size = x.shape[:-1], x.shape[-1]
-    if k_size == 0:
-        raise ValueError(f"x {x.shape} has no input features to project")
-    x2 = x.reshape(-1, k_size)
-    rows = x2.shape[0]
-    if not 0 < rows <= MAX_ROWS:
-        raise ValueError(f"the few-row projection kernel takes 1 to {MAX_ROWS} rows, not {rows} (x {x.shape})")
-    out_features = tuple(w.shape[0] for w in weights)
-    blocking = blocking or default_blocking(rows, k_size)
-    block_n, block_k = blocking.block_n, blocking.block_k
-    rows_pad = 1 if rows == 1 else max(16, _next_pow2(rows))
-    if rows_pad > 1 and block_n < 16:
-        raise ValueError(f"block_n ({block_n}) must be >= 16 for more than one row (tensor-core dot)")
-    counts = [pl.cdiv(n, block_n) for n in out_features]
+def _launch(row_inputs, weights, biases, out_rows: int, out_dtype, block, *, blocking: Blocking, interpret: bool,
+            name: str):
+    """One pallas_call over the column blocks of every weight; ``block(*row_refs, w, b, out, n0)`` fills one."""
+    block_n = blocking.block_n
+    counts = [pl.cdiv(w.shape[0], block_n) for w in weights]
     block_starts = tuple(int(sum(counts[:i])) for i in range(len(counts) + 1))
-    inputs = [x2, *weights, *(b for b in biases if b is not None)]
-    out_rows, out_cols = rows, list(out_features)
-    if interpret:  # the interpreter touches masked-off addresses: give them memory
-        k_pad = _round_up(k_size, block_k)
-        x_in = jnp.pad(x2, ((0, rows_pad - rows), (0, k_pad - k_size)))
-        w_in = [jnp.pad(w, ((0, _round_up(n, block_n) - n), (0, k_pad - k_size))) for w, n in zip(weights, out_features)]
-        b_in = [jnp.pad(b, (0, _round_up(b.shape[0], block_n) - b.shape[0])) for b in biases if b is not None]
-        inputs = [x_in, *w_in, *b_in]
-        out_rows, out_cols = rows_pad, [_round_up(n, block_n) for n in out_features]
-    precision = lax.Precision.HIGHEST if jnp.dtype(x.dtype) == jnp.float32 else None
-    kernel = functools.partial(_kernel, has_bias=tuple(b is not None for b in biases), block_starts=block_starts,
-                               rows=rows, rows_pad=rows_pad, block_n=block_n, block_k=block_k, precision=precision)
+    inputs = [*row_inputs, *weights, *(b for b in biases if b is not None)]
+    kernel = functools.partial(_kernel, num_inputs=len(row_inputs), has_bias=tuple(b is not None for b in biases),
+                               block_starts=block_starts, block=block, block_n=block_n)
     whole = lambda shape: pl.BlockSpec(shape, lambda p: (0,) * len(shape))  # noqa: E731  (indexed in the kernel)
-    out_shape = [jax.ShapeDtypeStruct((out_rows, n), x.dtype) for n in out_cols]
-    outputs = pl.pallas_call(
+    out_shape = [jax.ShapeDtypeStruct((out_rows, w.shape[0]), out_dtype) for w in weights]
+    return pl.pallas_call(
         kernel,
         grid=(block_starts[-1],),
         in_specs=[whole(a.shape) for a in inputs],
@@ -165,9 +174,90 @@ def project(x, weights, biases=None, *, blocking: Blocking | None = None, interp
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=blocking.num_warps, num_stages=blocking.num_stages),
         interpret=interpret,
-        name=f"project_{block_n=}_{block_k=}",
+        name=name,
     )(*inputs)
-    return tuple(o[:rows, :n].reshape(*lead, n) for o, n in zip(outputs, out_features))
 
 
-__all__ = ["Blocking", "MAX_ROWS", "default_blocking", "project"]
+def _operands(rows, weights, biases, block_n: int, block_k: int, interpret: bool):
+    """``(rows, weights, biases)`` as the kernel takes them (a bias list with None where a weight has
+    none). The interpreter touches masked-off addresses, so there every operand is padded to whole
+    blocks: the row operands' last axis to ``block_k``, the weights' rows to ``block_n`` and columns
+    to ``block_k``, the biases to ``block_n``."""
+    if not interpret:
+        return list(rows), list(weights), list(biases)
+
+    def pad_to(a, multiples):
+        return jnp.pad(a, [(0, _round_up(n, m) - n) if m else (0, 0) for n, m in zip(a.shape, multiples)])
+
+    return ([pad_to(r, (None,) * (r.ndim - 1) + (block_k,)) for r in rows],
+            [pad_to(w, (block_n, block_k)) for w in weights],
+            [None if b is None else pad_to(b, (block_n,)) for b in biases])
+
+
+def _checked_rows(x, weights, biases, max_rows: int):
+    weights = tuple(weights)
+    biases = (None,) * len(weights) if biases is None else tuple(biases)
+    reference.check_projections(x, weights, biases)
+    if x.shape[-1] == 0:
+        raise ValueError(f"x {x.shape} has no input features to project")
+    x2 = x.reshape(-1, x.shape[-1])
+    if not 0 < x2.shape[0] <= max_rows:
+        raise ValueError(f"the few-row projection kernel takes 1 to {max_rows} rows, not {x2.shape[0]} (x {x.shape})")
+    return x2, weights, biases
+
+
+def _unpadded(outputs, x, weights):
+    rows, lead = x.size // x.shape[-1], x.shape[:-1]
+    return tuple(o[:rows, :w.shape[0]].reshape(*lead, w.shape[0]) for o, w in zip(outputs, weights))
+
+
+@functools.partial(jax.jit, static_argnames=("blocking", "interpret"))
+def project(x, weights, biases=None, *, blocking: Blocking | None = None, interpret: bool = False):
+    """``reference.project`` for x with at most ``MAX_ROWS`` rows (leading axes flattened), every
+    weight in one launch. ``blocking`` overrides ``default_blocking``."""
+    x2, weights, biases = _checked_rows(x, weights, biases, MAX_ROWS)
+    rows, k_size = x2.shape
+    blocking = blocking or default_blocking(rows, k_size)
+    block_n, block_k = blocking.block_n, blocking.block_k
+    rows_pad = 1 if rows == 1 else max(16, _next_pow2(rows))
+    if rows_pad > 1 and block_n < 16:
+        raise ValueError(f"block_n ({block_n}) must be >= 16 for more than one row (tensor-core dot)")
+    out_rows = rows_pad if interpret else rows  # the interpreter also writes the padding rows
+    x_in = jnp.pad(x2, ((0, rows_pad - rows), (0, 0))) if interpret else x2
+    (x_in,), w_in, b_in = _operands([x_in], weights, biases, block_n, block_k, interpret)
+    precision = lax.Precision.HIGHEST if jnp.dtype(x.dtype) == jnp.float32 else None
+    block = functools.partial(_project_block, rows=rows, rows_pad=rows_pad, block_n=block_n, block_k=block_k,
+                              precision=precision)
+    outputs = _launch([x_in], w_in, b_in, out_rows, x.dtype, block, blocking=blocking, interpret=interpret,
+                      name=f"project_{block_n=}_{block_k=}")
+    return _unpadded(outputs, x, weights)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "unit_offset", "blocking", "interpret"))
+def norm_project(x, norm_weight, weights, biases=None, *, eps: float, unit_offset: bool = False,
+                 blocking: Blocking | None = None, interpret: bool = False):
+    """The projections of ``reference.norm_project(x, None, ...)`` for one row (the residual already
+    added), in one launch, without waiting for the norm.
+
+    RMSNorm scales the row by one number, so ``w @ (g * x * r) = r * (w @ (g * x))``: each program
+    streams its weight rows against ``g * x`` at once, sums ``x^2`` from the same loads (every program
+    walks the whole row) and scales its outputs by ``r = rsqrt(mean(x^2) + eps)`` at the end. The
+    normalised row is never rounded to ``x``'s dtype, as the reference rounds it (and so is closer to
+    the float32 result). ``unit_offset`` multiplies by ``1 + g``; ``float32_weight`` makes no
+    difference here (every product is in float32).
+    """
+    x2, weights, biases = _checked_rows(x, weights, biases, 1)
+    k_size = x2.shape[1]
+    if norm_weight.shape != (k_size,):
+        raise ValueError(f"norm weight {norm_weight.shape} must be [{k_size}] for x {x.shape}")
+    blocking = blocking or default_blocking(1, k_size)
+    block_n, block_k = blocking.block_n, blocking.block_k
+    row_in, w_in, b_in = _operands([x2, norm_weight], weights, biases, block_n, block_k, interpret)
+    block = functools.partial(_norm_project_block, block_n=block_n, block_k=block_k, k_size=k_size, eps=float(eps),
+                              unit_offset=unit_offset)
+    outputs = _launch(row_in, w_in, b_in, 1, x.dtype, block, blocking=blocking, interpret=interpret,
+                      name=f"norm_project_{block_n=}_{block_k=}")
+    return _unpadded(outputs, x, weights)
+
+
+__all__ = ["Blocking", "MAX_ROWS", "default_blocking", "norm_project", "project"]

@@ -78,6 +78,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxinfer.kernels.moe import grouping_pallas
 from jaxinfer.kernels.moe.grouping import group_few_by_expert, group_one_token
 from jaxinfer.kernels.moe.reference import gated_activation
+from jaxinfer.kernels.tiles import load_tile
 
 DECODE_ROWS = 128  # T * k at or below this is decode-sized: one row block per touched expert
 
@@ -156,15 +157,8 @@ class KernelTuning(NamedTuple):
 def _load_tile(ref, e, n0, k0, block_n: int, block_k: int, n_size: int, k_size: int, mask_n: bool,
                mask_k: bool):
     """``ref[e, n0:n0+block_n, k0:k0+block_k]``, zero past ``n_size``/``k_size`` where masking is on."""
-    view = ref.at[e, pl.ds(n0, block_n), pl.ds(k0, block_k)]
-    if not (mask_n or mask_k):
-        return view[...]
-    mask = jnp.ones((block_n, block_k), jnp.bool_)
-    if mask_n:
-        mask &= (n0 + lax.broadcasted_iota(jnp.int32, (block_n, block_k), 0)) < n_size
-    if mask_k:
-        mask &= (k0 + lax.broadcasted_iota(jnp.int32, (block_n, block_k), 1)) < k_size
-    return plgpu.load(view, mask=mask, other=0.0)
+    return load_tile(ref.at[e, pl.ds(n0, block_n), pl.ds(k0, block_k)], n0, k0, n_size=n_size, k_size=k_size,
+                     mask_n=mask_n, mask_k=mask_k)
 
 
 def _load_bias(ref, e, n0, block_n: int, n_size: int, mask_n: bool, dtype):

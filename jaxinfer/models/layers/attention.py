@@ -9,13 +9,14 @@ from jaxinfer.cache.metadata import AttentionMetadata
 from jaxinfer.kernels import attention as attention_ops
 from jaxinfer.kernels import linear as linear_ops
 from jaxinfer.models.layers.linear import Linear, LinearParams
-from jaxinfer.models.layers.norm import NormWeight, RMSNorm
+from jaxinfer.models.layers.norm import NormWeight, PreNorm, RMSNorm
 
 
 class PagedGQAttention(nn.Module):
-    """q/k/v projections (one op) -> optional q/k RMSNorm -> RoPE -> cache write -> attention (optional sliding
-    window and sinks) -> o_proj. A per-head q/k norm, RoPE and the cache write are one op
-    (``rotary_cache_write``); at a decode step, attention joins them (``rotary_paged_decode_attention``).
+    """[The block's residual add + RMSNorm +] q/k/v projections (one op) -> optional q/k RMSNorm -> RoPE ->
+    cache write -> attention (optional sliding window and sinks) -> o_proj. A per-head q/k norm, RoPE
+    and the cache write are one op (``rotary_cache_write``); at a decode step, attention joins them
+    (``rotary_paged_decode_attention``).
 
     KV head ``j`` serves query heads ``[j*g, (j+1)*g)`` (HF's ``repeat_kv``), ``g = heads // kv_heads``.
     """
@@ -33,13 +34,19 @@ class PagedGQAttention(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x, cos, sin, kv_cache, md: AttentionMetadata):
+    def __call__(self, x, cos, sin, kv_cache, md: AttentionMetadata, prenorm: PreNorm | None = None):
+        """-> (output, the updated cache, the residual stream after ``prenorm``'s add; None without one)."""
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = [LinearParams(n, self.qkv_bias, self.param_dtype, name=name)(x.shape[-1])
                for n, name in ((q_size, "q_proj"), (kv_size, "k_proj"), (kv_size, "v_proj"))]
-        # One op for the three (one launch at decode), weights kept apart as the checkpoint has them.
-        q, k, v = linear_ops.project(x, [w for w, _ in qkv], [b for _, b in qkv])
+        # One op for the three (one launch at decode, with the block's norm), weights kept apart as the
+        # checkpoint has them.
+        weights, biases = [w for w, _ in qkv], [b for _, b in qkv]
+        if prenorm is None:
+            (q, k, v), residual = linear_ops.project(x, weights, biases), None
+        else:
+            (q, k, v), residual = prenorm.project(x, weights, biases)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         norm = lambda name: RMSNorm(self.qk_norm_eps, param_dtype=self.param_dtype, name=name)  # noqa: E731
         norms = {}
@@ -62,4 +69,4 @@ class PagedGQAttention(nn.Module):
                                                                    **norms)
             out = attention_ops.ragged_paged_attention(q, k_cache, v_cache, md, **options)
         out = Linear(x.shape[-1], self.o_bias, self.param_dtype, name="o_proj")(out.reshape(t, q_size))
-        return out, (k_cache, v_cache)
+        return out, (k_cache, v_cache), residual

@@ -73,8 +73,8 @@ class SparseMoE(nn.Module):
         weights, ids = route(logits, spec, correction)
         out = Experts(spec, self.param_dtype, name="experts")(x, ids, weights)
         if spec.shared_intermediate_size:
-            shared = GatedMLP(spec.shared_intermediate_size, self.hidden_act, False, self.param_dtype,
-                              name="shared_expert")(x)
+            shared, _ = GatedMLP(spec.shared_intermediate_size, self.hidden_act, False, self.param_dtype,
+                                 name="shared_expert")(x)
             if spec.shared_expert_gated:
                 shared = jax.nn.sigmoid(Linear(1, False, self.param_dtype, name="shared_expert_gate")(x)) * shared
             out = out + shared

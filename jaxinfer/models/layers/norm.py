@@ -1,8 +1,12 @@
 """RMSNorm, in the two flavours HF uses, optionally with the residual add before it."""
 
+from typing import NamedTuple
+
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
+from jaxinfer.kernels import linear as linear_ops
 from jaxinfer.kernels import norm as norm_ops
 
 
@@ -39,3 +43,24 @@ class NormWeight(nn.Module):
     @nn.compact
     def __call__(self):
         return self.param("weight", nn.initializers.ones, (self.size,), self.param_dtype)
+
+
+class PreNorm(NamedTuple):
+    """A pre-norm block's residual add + RMSNorm, left for the block's first projections to apply.
+
+    ``PreNorm(residual, weight, eps).project(x, weights, biases)`` is ``x + residual``, its RMSNorm and
+    the projections of the normalised row as one op (``jaxinfer.kernels.linear.norm_project``): at a
+    one-token step on the GPU one launch, which never waits for the norm. ``residual=None`` (the first
+    block) normalises ``x`` alone.
+    """
+
+    residual: jax.Array | None
+    weight: jax.Array
+    eps: float
+    unit_offset: bool = False
+    float32_weight: bool = False
+
+    def project(self, x, weights, biases=None):
+        """-> (the projections, the residual stream after the add)."""
+        return linear_ops.norm_project(x, self.residual, self.weight, weights, biases, eps=self.eps,
+                                       unit_offset=self.unit_offset, float32_weight=self.float32_weight)
