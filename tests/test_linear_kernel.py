@@ -85,7 +85,7 @@ def test_norm_project_matches_reference(dtype, unit_offset, blocking):
         np.testing.assert_allclose(np.asarray(g_out, np.float32), np.asarray(w_out), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("rows", [1, 3])  # the one-launch kernel; the add + norm kernel, then project
+@pytest.mark.parametrize("rows", [1, 3])  # the one-launch kernel; the unfused ops (their references on CPU)
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_norm_project_op_on_the_kernels(rows, with_residual):
     x, weights, biases = _case(rows, (32, 16), 64, jnp.float32, (jnp.float32, None), seed=5)
@@ -103,7 +103,7 @@ def test_norm_project_refuses_bad_input():
     x, weights, _ = _case(1, (32, 16), 64, jnp.float32, (None, None))
     with pytest.raises(ValueError, match="norm weight \\(63,\\) must be \\[64\\]"):
         skinny_pallas.norm_project(x, jnp.ones(63), weights, eps=1e-6, interpret=True)
-    with pytest.raises(ValueError, match="1 to 1 rows"):
+    with pytest.raises(ValueError, match="takes one row .*, not 2"):
         skinny_pallas.norm_project(jnp.zeros((2, 64)), jnp.ones(64), weights, eps=1e-6, interpret=True)
 
 

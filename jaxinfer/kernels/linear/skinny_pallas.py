@@ -194,7 +194,7 @@ def _operands(rows, weights, biases, block_n: int, block_k: int, interpret: bool
             [None if b is None else pad_to(b, (block_n,)) for b in biases])
 
 
-def _checked_rows(x, weights, biases, max_rows: int):
+def _checked_rows(x, weights, biases, max_rows: int, what: str):
     weights = tuple(weights)
     biases = (None,) * len(weights) if biases is None else tuple(biases)
     reference.check_projections(x, weights, biases)
@@ -202,7 +202,7 @@ def _checked_rows(x, weights, biases, max_rows: int):
         raise ValueError(f"x {x.shape} has no input features to project")
     x2 = x.reshape(-1, x.shape[-1])
     if not 0 < x2.shape[0] <= max_rows:
-        raise ValueError(f"the few-row projection kernel takes 1 to {max_rows} rows, not {x2.shape[0]} (x {x.shape})")
+        raise ValueError(f"{what}, not {x2.shape[0]} (x {x.shape})")
     return x2, weights, biases
 
 
@@ -215,7 +215,8 @@ def _unpadded(outputs, x, weights):
 def project(x, weights, biases=None, *, blocking: Blocking | None = None, interpret: bool = False):
     """``reference.project`` for x with at most ``MAX_ROWS`` rows (leading axes flattened), every
     weight in one launch. ``blocking`` overrides ``default_blocking``."""
-    x2, weights, biases = _checked_rows(x, weights, biases, MAX_ROWS)
+    x2, weights, biases = _checked_rows(x, weights, biases, MAX_ROWS,
+                                       f"the few-row projection kernel takes 1 to {MAX_ROWS} rows")
     rows, k_size = x2.shape
     blocking = blocking or default_blocking(rows, k_size)
     block_n, block_k = blocking.block_n, blocking.block_k
@@ -246,7 +247,8 @@ def norm_project(x, norm_weight, weights, biases=None, *, eps: float, unit_offse
     the float32 result). ``unit_offset`` multiplies by ``1 + g``; ``float32_weight`` makes no
     difference here (every product is in float32).
     """
-    x2, weights, biases = _checked_rows(x, weights, biases, 1)
+    x2, weights, biases = _checked_rows(x, weights, biases, 1, "norm_project's kernel takes one row (more rows run "
+                                       "the add + norm kernel, then project)")
     k_size = x2.shape[1]
     if norm_weight.shape != (k_size,):
         raise ValueError(f"norm weight {norm_weight.shape} must be [{k_size}] for x {x.shape}")
