@@ -17,6 +17,10 @@ steps trace, and so pick their ops, then). The variants:
   projection kernel, instead of folded into it (``linear.norm_project`` at one row).
 - ``decode-blocks-32``: the fused decode attention over 32-token KV blocks (one split each), where
   the default stops halving at 64.
+- ``norm-project-8x2048``: the one-row norm + projection kernel with 8 weight rows by up to 2048 columns
+  per step (a 2048-wide row in one step, no pipeline; wider rows in 3 stages). Against 4 by 1024 this
+  made rows up to 2048 wide the default (``skinny_pallas.default_norm_blocking``); it still differs
+  from main on wider rows.
 
     PYTHONPATH=. python3 scripts/decode_ab.py --variant unfused-rotary-decode   # Qwen3-30B-A3B, B=1
 """
@@ -89,7 +93,27 @@ def variant_context(name: str):
 
         return _replaced(attention, "rotary_paged_decode_attention",
                          functools.partial(decode_pallas.rotary_paged_decode_attention, block_tokens=32))
+    if name == "norm-project-8x2048":
+        return _replaced(linear, "norm_project", _norm_project_blocked(8, 2048))
     raise ValueError(f"unknown variant {name!r}")
+
+
+def _norm_project_blocked(block_n: int, block_k: int):
+    """``linear.norm_project`` as dispatched on the GPU, with the one-row kernel's blocking set."""
+    from jaxinfer.kernels.linear import skinny_pallas
+
+    def norm_project(x, residual, norm_weight, weights, biases=None, *, eps, unit_offset=False, float32_weight=False):
+        if len(weights) > 1 and x.size == x.shape[-1]:
+            width = min(block_k, 1 << (x.shape[-1] - 1).bit_length())
+            steps = -(-x.shape[-1] // width)
+            blocking = skinny_pallas.Blocking(block_n, width, num_warps=4, num_stages=1 if steps == 1 else 3)
+            summed = x if residual is None else x + residual
+            return skinny_pallas.norm_project(summed, norm_weight, weights, biases, eps=eps, unit_offset=unit_offset,
+                                              blocking=blocking), summed
+        return _norm_then_project(x, residual, norm_weight, weights, biases, eps=eps, unit_offset=unit_offset,
+                                  float32_weight=float32_weight)
+
+    return norm_project
 
 
 def _norm_then_project(x, residual, norm_weight, weights, biases=None, *, eps, unit_offset=False,
@@ -102,7 +126,7 @@ def _norm_then_project(x, residual, norm_weight, weights, biases=None, *, eps, u
 
 
 VARIANTS = ("unfused-rotary-decode", "skinny-router", "skinny-one-row", "moe-down-four-stages", "unfused-norm-project",
-            "decode-blocks-32")
+            "decode-blocks-32", "norm-project-8x2048")
 
 
 def main():

@@ -113,3 +113,11 @@ def test_default_blocking():
     assert skinny_pallas.default_blocking(1, 40).block_k == 64  # never wider than the padded row
     several = skinny_pallas.default_blocking(8, 2048)
     assert several.block_n >= 16  # the tensor-core dot's minimum
+
+
+def test_default_norm_blocking_takes_rows_up_to_2048_in_one_step():
+    one_step = skinny_pallas.default_norm_blocking(2048)
+    assert (one_step.block_n, one_step.block_k, one_step.num_stages) == (8, 2048, 1)
+    assert skinny_pallas.default_norm_blocking(200).block_k == 256  # the padded row, masked
+    assert skinny_pallas.default_norm_blocking(4096) == skinny_pallas.default_blocking(1, 4096)
+    assert skinny_pallas.default_norm_blocking(2880) == skinny_pallas.default_blocking(1, 2880)

@@ -23,6 +23,8 @@ never waits for it. Otherwise it is the add + norm kernel, then ``project``. On 
 (``scripts/decode_ab.py --variant unfused-norm-project``, ``benchmarks/results/2026-11-30-h200-r5/``).
 The same fold at a MoE block's router (XLA projecting the un-normalised row, the routing kernel
 applying the norm) measured no faster there, and is not used.
+Rows up to 2048 wide run in one step of 8 weight rows (``skinny_pallas.default_norm_blocking``),
+another 1.4% off that step (1.693 against 1.718 ms, ``benchmarks/results/2026-11-30-h200-r6/``).
 
 Tried and not kept: the RMSNorm as this kernel's prologue (every program computing the row's RMS
 before streaming its weights). Inside the Qwen3-30B-A3B model at one token it took 9.5 us for the
