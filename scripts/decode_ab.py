@@ -15,12 +15,19 @@ steps trace, and so pick their ops, then). The variants:
   token count (the default takes 3 from 2 tokens on).
 - ``unfused-norm-project``: a block's residual add + RMSNorm as its own kernel before the few-row
   projection kernel, instead of folded into it (``linear.norm_project`` at one row).
-- ``decode-blocks-32``: the fused decode attention over 32-token KV blocks (one split each), where
-  the default stops halving at 64.
+- ``decode-blocks-N`` / ``decode-splits-N``: the fused decode attention over N-token KV blocks, or in N
+  splits per (sequence, KV head) (``decode_pallas.default_blocking`` picks both otherwise; one split
+  writes the output itself, with no merge kernel). ``decode-blocks-32`` (72 programs instead of 36 at
+  one sequence of 512 tokens) made the 24-layer step no faster.
 - ``norm-project-8x2048``: the one-row norm + projection kernel with 8 weight rows by up to 2048 columns
   per step (a 2048-wide row in one step, no pipeline; wider rows in 3 stages). Against 4 by 1024 this
   made rows up to 2048 wide the default (``skinny_pallas.default_norm_blocking``); it still differs
   from main on wider rows.
+- ``trigger-FAMILY=POINT[,FAMILY=POINT...]``: the Pallas kernels of those families let the next kernel
+  launch at another point (``jaxinfer.kernels.pdl``: ``start``, or ``none``: as the last program
+  exits); ``trigger-all=none`` for every family.
+
+Several variants given together each run against main in the same process, their calls alternating.
 
     PYTHONPATH=. python3 scripts/decode_ab.py --variant unfused-rotary-decode   # Qwen3-30B-A3B, B=1
 """
@@ -40,6 +47,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import MODELS, build_engine, decode_requests  # noqa: E402
 from benchlib import environment, write_json  # noqa: E402
+
+from jaxinfer.kernels import pdl  # noqa: E402
 
 
 def _unfused_rotary_decode(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens, *,
@@ -88,13 +97,17 @@ def variant_context(name: str):
                                                            down_tuning=grouped_pallas.KernelTuning(num_stages=4)))
     if name == "unfused-norm-project":
         return _replaced(linear, "norm_project", _norm_then_project)
-    if name == "decode-blocks-32":
+    if name.startswith(("decode-blocks-", "decode-splits-")):
         from jaxinfer.kernels.attention import decode_pallas
 
+        option = "block_tokens" if name.startswith("decode-blocks-") else "num_splits"
         return _replaced(attention, "rotary_paged_decode_attention",
-                         functools.partial(decode_pallas.rotary_paged_decode_attention, block_tokens=32))
+                         functools.partial(decode_pallas.rotary_paged_decode_attention,
+                                           **{option: int(name.rsplit("-", 1)[1])}))
     if name == "norm-project-8x2048":
         return _replaced(linear, "norm_project", _norm_project_blocked(8, 2048))
+    if name.startswith("trigger-"):
+        return pdl.trigger_points(_trigger_points(name))
     raise ValueError(f"unknown variant {name!r}")
 
 
@@ -125,14 +138,42 @@ def _norm_then_project(x, residual, norm_weight, weights, biases=None, *, eps, u
     return linear.project(normed, weights, biases), summed
 
 
-VARIANTS = ("unfused-rotary-decode", "skinny-router", "skinny-one-row", "moe-down-four-stages", "unfused-norm-project",
-            "decode-blocks-32", "norm-project-8x2048")
+NAMED_VARIANTS = ("unfused-rotary-decode", "skinny-router", "skinny-one-row", "moe-down-four-stages",
+                  "unfused-norm-project", "norm-project-8x2048")
+VARIANT_FORMS = ("decode-blocks-N", "decode-splits-N", "trigger-FAMILY=POINT,...")
+
+
+def _trigger_points(name: str) -> dict[str, str]:
+    """``trigger-a=start,b=none`` -> {"a": "start", "b": "none"}; ``all`` stands for every family."""
+    points = {}
+    for item in name.removeprefix("trigger-").split(","):
+        family, _, point = item.partition("=")
+        families = pdl.DEFAULT_POINTS if family == "all" else (family,)
+        points.update({f: point for f in families})
+    return points
+
+
+def variant_name(name: str) -> str:
+    """``name`` if it names a variant (for argparse), else a usage error."""
+    if name in NAMED_VARIANTS:
+        return name
+    if name.startswith(("decode-blocks-", "decode-splits-")) and name.rsplit("-", 1)[1].isdigit():
+        return name
+    if name.startswith("trigger-"):
+        try:
+            pdl.check_points(_trigger_points(name))
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        return name
+    raise argparse.ArgumentTypeError(f"unknown variant {name!r}; choose from "
+                                     f"{', '.join(NAMED_VARIANTS + VARIANT_FORMS)}")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODELS), default="qwen3-30b-a3b")
-    parser.add_argument("--variant", choices=VARIANTS, default="unfused-rotary-decode")
+    parser.add_argument("--variant", type=variant_name, nargs="+", default=["unfused-rotary-decode"],
+                        help=f"one or more of: {', '.join(NAMED_VARIANTS + VARIANT_FORMS)}")
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=512)
@@ -147,9 +188,10 @@ def main():
     _, _, engine = build_engine(args.model, args.layers, steps=args.steps, max_len=max_len, max_seqs=args.batch,
                                 batched_tokens=max(16, args.batch), num_pages=pages)
     runs = {"main": (engine, *decode_requests(engine, args.batch, args.context, args.steps))}
-    with variant_context(args.variant):  # the same weights behind a second engine
-        variant_engine = Engine(engine.model, engine.config)
-        runs[args.variant] = (variant_engine, *decode_requests(variant_engine, args.batch, args.context, args.steps))
+    for variant in args.variant:
+        with variant_context(variant):  # the same weights behind another engine
+            variant_engine = Engine(engine.model, engine.config)
+            runs[variant] = (variant_engine, *decode_requests(variant_engine, args.batch, args.context, args.steps))
     times = {name: [] for name in runs}
     tokens = {}
     for _ in range(args.rounds + 1):  # the first round warms up and is dropped
@@ -158,11 +200,17 @@ def main():
             tokens[name], _ = eng.runner.run_decode(key, requests)
             times[name].append((time.perf_counter() - start) / args.steps * 1e3)
     result = {"environment": environment(), "model": args.model, "layers": args.layers, "batch": args.batch,
-              "context": args.context, "steps_per_call": args.steps, "variant": args.variant,
+              "context": args.context, "steps_per_call": args.steps, "variants": args.variant,
               **{name: {"ms_per_step_median": float(np.median(t[1:])), "all": t[1:]} for name, t in times.items()},
-              "same_tokens": bool((np.asarray(tokens["main"]) == np.asarray(tokens[args.variant])).all())}
+              "ratio_to_main_median": {  # per round, so that drift shared by both calls of a round cancels
+                  variant: float(np.median(np.asarray(times[variant][1:]) / np.asarray(times["main"][1:])))
+                  for variant in args.variant},
+              "same_tokens": {variant: bool((np.asarray(tokens["main"]) == np.asarray(tokens[variant])).all())
+                              for variant in args.variant}}
     print(json.dumps(result), flush=True)
-    write_json(f"decode_ab_{args.model}_b{args.batch}_{args.variant}.json", result)
+    label = f"{len(args.variant)}_variants" if len(args.variant) > 1 else args.variant[0]
+    label = label.replace("=", "-").replace(",", "+")  # a plain file name
+    write_json(f"decode_ab_{args.model}_b{args.batch}_{label}.json", result)
 
 
 if __name__ == "__main__":

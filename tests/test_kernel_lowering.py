@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxinfer.cache.metadata import AttentionMetadata
+from jaxinfer.kernels import pdl
 from jaxinfer.kernels.attention.decode_pallas import paged_decode_attention, rotary_paged_decode_attention
 from jaxinfer.kernels.attention import prefill_mgpu
 from jaxinfer.kernels.attention.prefill_pallas import ragged_paged_attention
@@ -221,3 +222,54 @@ def test_norm_project_lowers(out_features, in_features, bias):
     text = _lower_for_gpu(lambda x, g, w, b: norm_project(x, g, w, b, eps=1e-6), S((1, in_features), BF16),
                           S((in_features,), BF16), weights, biases)
     assert "norm_project_block_n" in text
+
+
+_TRIGGER = "griddepcontrol.launch_dependents"
+
+
+def _decode_step_kernels():
+    """Each kernel family of the decode step -> (fn, args) lowering one call, and how many of its kernels
+    that call launches."""
+    moe = (moe_mlp, (S((1, 2048), BF16), S((1, 8), I32), S((1, 8), BF16), S((128, 768, 2048), BF16),
+                     S((128, 768, 2048), BF16), S((128, 2048, 768), BF16)))
+    attention = (functools.partial(paged_decode_attention, scale=0.1, num_splits=8),
+                 (S((1, 32, 128), BF16), S((4, 64, 16, 128), BF16), S((4, 64, 16, 128), BF16), S((1, 64), I32),
+                  S((1,), I32)))
+    return {
+        "rms_norm": (lambda x, w: add_rms_norm(x, None, w, 1e-6), (S((1, 2048), BF16), S((2048,), BF16))),
+        "projection": (lambda x, w: project(x, (w,)), (S((1, 4096), BF16), S((2048, 4096), BF16))),
+        "moe_route": (lambda logits: route(logits, router="softmax_topk", top_k=8), (S((1, 128), BF16),)),
+        "moe_gate_up": moe,
+        "moe_down": moe,
+        "decode_attention": attention,
+        "decode_combine": attention,
+    }
+
+
+@pytest.mark.parametrize("family", sorted(pdl.DEFAULT_POINTS))
+def test_decode_step_kernels_trigger_the_next_launch_early(family):
+    fn, args = _decode_step_kernels()[family]
+    triggered = _lower_for_gpu(fn, *args).count(_TRIGGER)
+    assert triggered >= 1
+    with pdl.trigger_points({family: "none"}):  # one kernel of the call fewer
+        assert _lower_for_gpu(fn, *args).count(_TRIGGER) == triggered - 1
+    assert _lower_for_gpu(fn, *args).count(_TRIGGER) == triggered  # the default again after the block
+
+
+def test_trigger_points_refuse_unknown_names():
+    with pytest.raises(ValueError, match="unknown kernel family 'moe_gate'"):
+        with pdl.trigger_points({"moe_gate": "none"}):
+            pass
+    with pytest.raises(ValueError, match="trigger point 'end'"):
+        with pdl.trigger_points({"moe_down": "end"}):
+            pass
+    with pytest.raises(ValueError, match="unknown kernel family"):
+        pdl.with_trigger(lambda: None, "attention")
+
+
+def test_interpreted_kernels_carry_no_trigger():
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+
+    assert pdl.with_trigger(kernel, "rms_norm", interpret=True) is kernel
+    assert pdl.with_trigger(kernel, "rms_norm") is not kernel

@@ -29,6 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxinfer.kernels import pdl
 from jaxinfer.kernels.linear import reference
 from jaxinfer.kernels.tiles import load_tile
 
@@ -182,7 +183,7 @@ def _launch(row_inputs, weights, biases, out_rows: int, out_dtype, block, *, blo
     whole = lambda shape: pl.BlockSpec(shape, lambda p: (0,) * len(shape))  # noqa: E731  (indexed in the kernel)
     out_shape = [jax.ShapeDtypeStruct((out_rows, w.shape[0]), out_dtype) for w in weights]
     return pl.pallas_call(
-        kernel,
+        pdl.with_trigger(kernel, "projection", interpret=interpret),
         grid=(block_starts[-1],),
         in_specs=[whole(a.shape) for a in inputs],
         out_specs=[whole(o.shape) for o in out_shape],

@@ -75,6 +75,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxinfer.kernels import pdl
 from jaxinfer.kernels.moe import grouping_pallas
 from jaxinfer.kernels.moe.grouping import group_few_by_expert, group_one_token
 from jaxinfer.kernels.moe.reference import gated_activation
@@ -334,7 +335,7 @@ def moe_mlp(x, expert_ids, expert_weights, gate, up, down, *, gate_bias=None, up
         mask_k=hidden % gu["block_k"] != 0, has_bias=has_bias, activation=activation, alpha=float(alpha),
         limit=float(limit), precision=precision)
     h = pl.pallas_call(
-        kernel,
+        pdl.with_trigger(kernel, "moe_gate_up", interpret=interpret),
         grid=(inter_pad // gu["block_n"], nb),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((block_m, gu["block_n"]), lambda n, b: (b, n)),
@@ -361,7 +362,7 @@ def moe_mlp(x, expert_ids, expert_weights, gate, up, down, *, gate_bias=None, up
         _down_kernel, hidden=hidden, inter=inter, block_k=dn["block_k"], mask_n=hidden_pad != hidden,
         mask_k=inter % dn["block_k"] != 0, has_bias=down_bias is not None, precision=precision)
     out = pl.pallas_call(
-        kernel,
+        pdl.with_trigger(kernel, "moe_down", interpret=interpret),
         grid=(hidden_pad // dn["block_n"], nb),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((block_m, dn["block_n"]), lambda n, b: (b, n)),

@@ -19,6 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxinfer.kernels import pdl
 from jaxinfer.kernels.moe import reference
 
 # Scores one program holds per tensor (block_t x padded experts), in one warp: its row reductions are
@@ -119,7 +120,7 @@ def route(logits, *, router: str, top_k: int, norm_topk_prob: bool = True, norm_
                                experts_pad=experts_pad, has_bias=has_bias)
     out_spec = pl.BlockSpec((block_t, k_pad), lambda i: (i, 0))
     weights, ids = pl.pallas_call(
-        kernel,
+        pdl.with_trigger(kernel, "moe_route", interpret=interpret),
         grid=(num_blocks,),
         in_specs=in_specs,
         out_specs=[out_spec, out_spec],

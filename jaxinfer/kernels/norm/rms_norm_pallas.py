@@ -22,6 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxinfer.kernels import pdl
 from jaxinfer.kernels.norm import reference
 
 # Rows per program: this many elements (at least one row), so that a few dozen rows already spread
@@ -91,10 +92,11 @@ def add_rms_norm(x, residual, weight, eps: float, *, unit_offset: bool = False, 
     if residual is not None:
         out_shape.append(jax.ShapeDtypeStruct(out_rows_cols, x.dtype))
     whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0,) * a.ndim)  # noqa: E731  (rows are indexed in the kernel)
+    kernel = functools.partial(_kernel, eps=eps, unit_offset=unit_offset, float32_weight=float32_weight,
+                               has_residual=residual is not None, num_rows=num_rows, hidden=hidden,
+                               block_rows=block_rows, block_hidden=block_hidden)
     outputs = pl.pallas_call(
-        functools.partial(_kernel, eps=eps, unit_offset=unit_offset, float32_weight=float32_weight,
-                          has_residual=residual is not None, num_rows=num_rows, hidden=hidden,
-                          block_rows=block_rows, block_hidden=block_hidden),
+        pdl.with_trigger(kernel, "rms_norm", interpret=interpret),
         grid=(pl.cdiv(num_rows, block_rows),),
         in_specs=[whole(a) for a in inputs],
         out_specs=[whole(o) for o in out_shape],
