@@ -228,8 +228,8 @@ _TRIGGER = "griddepcontrol.launch_dependents"
 
 
 def _decode_step_kernels():
-    """Each kernel family of the decode step -> (fn, args) lowering one call, and how many of its kernels
-    that call launches."""
+    """Each kernel family of the decode step -> (fn, args) lowering a call that launches one of its kernels
+    (the attention call also launches the merge kernel, the expert call both expert kernels)."""
     moe = (moe_mlp, (S((1, 2048), BF16), S((1, 8), I32), S((1, 8), BF16), S((128, 768, 2048), BF16),
                      S((128, 768, 2048), BF16), S((128, 2048, 768), BF16)))
     attention = (functools.partial(paged_decode_attention, scale=0.1, num_splits=8),

@@ -315,8 +315,8 @@ def default_blocking(num_seqs: int, num_kv_heads: int, pages_per_seq: int, page_
     sequence of 512 tokens over 4 KV heads 64-token blocks (32 programs) beat 128 (16 programs).
     32-token blocks there (72 programs) made the 24-layer Qwen3-30B-A3B step no faster
     (``scripts/decode_ab.py --variant decode-blocks-32``, ``benchmarks/results/2026-11-30-h200-r5/``).
-    In the 16-layer step at that shape fewer programs were slower: one split (4 programs, no merge kernel) by 13%,
-    2 splits by 6%, 128-token blocks by 1.6% (``benchmarks/results/2026-11-30-h200-r7/``).
+    In the 16-layer step at that shape fewer programs were slower: one split (4 programs, no merge
+    kernel) by 13%, 2 splits by 6%, 128-token blocks by 1.6% (``benchmarks/results/2026-11-30-h200-r7/``).
     """
     pairs = num_seqs * num_kv_heads
     block_bytes = 32768 if pairs < _SMS else 16384  # fewer (sequence, head) pairs than SMs
@@ -503,7 +503,7 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale, sliding_windo
         in_specs.append(pl.BlockSpec((None, None, 1), lambda s, h, r: (h, r, 0)))
     out = pl.pallas_call(
         pdl.with_trigger(functools.partial(_combine_kernel, num_splits=num_splits, has_sinks=sinks is not None),
-                               "decode_combine", interpret=interpret),
+                         "decode_combine", interpret=interpret),
         grid=(num_seqs, num_kv_heads, group_rows),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((None, None, None, head_dim), lambda s, h, r: (s, h, r, 0)),
