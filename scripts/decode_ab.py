@@ -158,6 +158,8 @@ def variant_name(name: str) -> str:
     if name in NAMED_VARIANTS:
         return name
     if name.startswith(("decode-blocks-", "decode-splits-")) and name.rsplit("-", 1)[1].isdigit():
+        if int(name.rsplit("-", 1)[1]) < 1:  # 0 would silently fall back to the default blocking
+            raise argparse.ArgumentTypeError(f"{name}: N must be at least 1")
         return name
     if name.startswith("trigger-"):
         try:
