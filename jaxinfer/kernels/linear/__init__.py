@@ -22,7 +22,9 @@ never waits for it. Otherwise it is the add + norm kernel, then ``project``. On 
 8.35 us where the norm and q/k/v took 1.8 + 7.8) and 0.7% off a 16-layer Llama-3-8B step
 (``scripts/decode_ab.py --variant unfused-norm-project``, ``benchmarks/results/2026-11-30-h200-r5/``).
 The same fold at a MoE block's router (XLA projecting the un-normalised row, the routing kernel
-applying the norm) measured no faster there, and is not used.
+applying the norm) measured no faster there, and is not used; nor is this kernel projecting the
+router and writing the normalised row for the experts, 0.2-4% slower in every blocking
+(``benchmarks/results/2026-11-30-h200-r8/``).
 Rows up to 2048 wide run in one step of 8 weight rows (``skinny_pallas.default_norm_blocking``),
 another 1.4% off that step (1.693 against 1.718 ms, ``benchmarks/results/2026-11-30-h200-r6/``).
 
