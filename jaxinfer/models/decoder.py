@@ -108,7 +108,7 @@ class DecoderLayer(nn.Module):
             return out, residual, kv_cache
         # The router is a single projection, which stays XLA's after the add + norm kernel. Folding the
         # norm into the routing kernel, the gate + up kernel or the router's projection kernel measured
-        # no faster (docs/performance.md).
+        # slower (docs/performance.md).
         h, residual = RMSNorm(c.rms_norm_eps, float32_weight=self.norm_float32_weight, param_dtype=self.param_dtype,
                               name="post_attention_layernorm")(attn_out, residual)
         return SparseMoE(spec.moe, c.hidden_act, self.param_dtype, name=spec.mlp_name)(h), residual, kv_cache
