@@ -64,7 +64,7 @@ finishes or starts; branch ``tried/l2-bulk-prefetch``) made the whole step 2.1% 
 gate + up kernel already keeps HBM busy. Applying the MoE block's RMSNorm in the gate + up kernel
 (the rows scaled by the norm weight as they load, their squares summed from the same loads; branch
 ``tried/moe-norm-fold-gate-up``) took that kernel from 15.3 to 35.4 us: any use of the gathered
-``x`` tile besides the dot costs the loop its pipelining.
+``x`` tile besides the dot made it 2-2.3x slower (by our reading, the loop loses its pipelining).
 """
 
 from __future__ import annotations
