@@ -23,6 +23,22 @@ steps trace, and so pick their ops, then). The variants:
   per step (a 2048-wide row in one step, no pipeline; wider rows in 3 stages). Against 4 by 1024 this
   made rows up to 2048 wide the default (``skinny_pallas.default_norm_blocking``); it still differs
   from main on wider rows.
+- ``graph-loop``: the decode loop's ``while`` and the sampler's ``cond``s recorded into the CUDA graph
+  (XLA's ``WHILE`` and ``CONDITIONAL`` command-buffer commands) instead of run by the host, which
+  reads each predicate back from the device. XLA records a ``cond`` or a ``while`` only when all of
+  its body can be recorded: the filter ``cond`` holds CUB's sort, which cannot, so on its own this
+  changes nothing.
+- ``xla-sort``: XLA's own sort kernels instead of CUB's radix sort; then the filter ``cond`` is
+  recorded into the graph and no longer waits on the host (``graph-loop+xla-sort``: the whole loop
+  in one graph).
+- ``greedy-sampler``: the sampler as a bare argmax, without its ``cond``s: what they cost a greedy
+  step (not a replacement: it ignores temperature and the filters).
+- ``logprobs``: the engine built with ``max_logprobs=5`` (its default) instead of 0, no request asking.
+- Variants joined by ``+`` apply together (``graph-loop+greedy-sampler``).
+
+  What these four measured at B=1 (``benchmarks/results/2026-11-30-h200-r9/``): the sampler costs a
+  greedy 48-layer step about 47 us (``greedy-sampler`` 0.983), a third of it the filter ``cond``'s
+  trip through the host (``xla-sort`` 0.996); the loop in the graph gained nothing; ``logprobs`` 1.004.
 - ``trigger-FAMILY=POINT[,FAMILY=POINT...]``: the Pallas kernels of those families let the next kernel
   launch at another point (``jaxinfer.kernels.pdl``: ``start``, or ``none``: as the last program
   exits); ``trigger-all=none`` for every family.
@@ -36,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -62,6 +79,16 @@ def _unfused_rotary_decode(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, bl
 
 
 @contextlib.contextmanager
+def _patched(module, attribute: str, value):
+    saved = getattr(module, attribute)
+    setattr(module, attribute, value)
+    try:
+        yield
+    finally:
+        setattr(module, attribute, saved)
+
+
+@contextlib.contextmanager
 def _replaced(family, op: str, fn):
     implementations = family._dispatch.implementations["pallas"]
     saved = implementations[op]
@@ -72,9 +99,41 @@ def _replaced(family, op: str, fn):
         implementations[op] = saved
 
 
+# XLA's default command-buffer commands (jaxlib 0.11) plus the control flow ones.
+GRAPH_LOOP_OPTIONS = {"xla_gpu_enable_command_buffer":
+                      "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"}
+
+
+def compiler_options(name: str) -> dict:
+    """The XLA options the variant's executables compile with (none for most)."""
+    parts = name.split("+")
+    options = dict(GRAPH_LOOP_OPTIONS) if "graph-loop" in parts else {}
+    if "xla-sort" in parts:  # XLA's own sort kernels, which a CUDA graph can hold, instead of CUB's
+        options["xla_gpu_enable_cub_radix_sort"] = False
+    return options
+
+
+def _greedy_sample(logits, batch, num_logprobs=0):
+    import jax.numpy as jnp
+
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+
+
 def variant_context(name: str):
     from jaxinfer.kernels import attention, linear, moe
 
+    parts = name.split("+")
+    if len(parts) > 1:
+        stack = contextlib.ExitStack()
+        for part in parts:
+            stack.enter_context(variant_context(part))
+        return stack
+    if name in ("graph-loop", "xla-sort", "logprobs"):  # compiler options / engine settings only
+        return contextlib.nullcontext()
+    if name == "greedy-sampler":
+        from jaxinfer.engine import runner
+
+        return _patched(runner, "sample", _greedy_sample)
     if name == "unfused-rotary-decode":
         return _replaced(attention, "rotary_paged_decode_attention", _unfused_rotary_decode)
     if name in ("skinny-router", "skinny-one-row"):
@@ -139,8 +198,9 @@ def _norm_then_project(x, residual, norm_weight, weights, biases=None, *, eps, u
 
 
 NAMED_VARIANTS = ("unfused-rotary-decode", "skinny-router", "skinny-one-row", "moe-down-four-stages",
-                  "unfused-norm-project", "norm-project-8x2048")
-VARIANT_FORMS = ("decode-blocks-N", "decode-splits-N", "trigger-FAMILY=POINT,...")
+                  "unfused-norm-project", "norm-project-8x2048", "graph-loop", "greedy-sampler", "xla-sort",
+                  "logprobs")
+VARIANT_FORMS = ("decode-blocks-N", "decode-splits-N", "trigger-FAMILY=POINT,...", "VARIANT+VARIANT")
 
 
 def _trigger_points(name: str) -> dict[str, str]:
@@ -155,6 +215,10 @@ def _trigger_points(name: str) -> dict[str, str]:
 
 def variant_name(name: str) -> str:
     """``name`` if it names a variant (for argparse), else a usage error."""
+    if "+" in name:
+        for part in name.split("+"):
+            variant_name(part)
+        return name
     if name in NAMED_VARIANTS:
         return name
     if name.startswith(("decode-blocks-", "decode-splits-")) and name.rsplit("-", 1)[1].isdigit():
@@ -192,7 +256,11 @@ def main():
     runs = {"main": (engine, *decode_requests(engine, args.batch, args.context, args.steps))}
     for variant in args.variant:
         with variant_context(variant):  # the same weights behind another engine
-            variant_engine = Engine(engine.model, engine.config)
+            config = engine.config
+            if "logprobs" in variant.split("+"):
+                config = dataclasses.replace(config, max_logprobs=5)
+            variant_engine = Engine(engine.model, config)
+            variant_engine.runner.compiler_options = compiler_options(variant)
             runs[variant] = (variant_engine, *decode_requests(variant_engine, args.batch, args.context, args.steps))
     times = {name: [] for name in runs}
     tokens = {}
@@ -211,7 +279,7 @@ def main():
                               for variant in args.variant}}
     print(json.dumps(result), flush=True)
     label = f"{len(args.variant)}_variants" if len(args.variant) > 1 else args.variant[0]
-    label = label.replace("=", "-").replace(",", "+")  # a plain file name
+    label = label.replace("=", "-").replace(",", "_")  # a plain file name
     write_json(f"decode_ab_{args.model}_b{args.batch}_{label}.json", result)
 
 

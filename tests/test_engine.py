@@ -74,6 +74,20 @@ def test_strict_mode_refuses_a_key_outside_the_grid(strict_llm):
         runner._executables[key] = executable
 
 
+def test_runner_compiles_with_its_compiler_options(strict_llm):
+    """The runner's XLA options reach the compiler: XLA refuses an invalid one."""
+    runner = strict_llm.engine.runner
+    key = runner.compiled_keys[0]
+    executable = runner.executable(key)
+    runner.compiler_options = {"xla_gpu_enable_command_buffer": "NOT_A_COMMAND"}
+    try:
+        with pytest.raises(jax.errors.JaxRuntimeError, match="not a valid enum value"):
+            runner.compile(key)
+    finally:
+        runner.compiler_options = {}
+        runner.add_executable(key, executable)
+
+
 def test_compile_guard_catches_tracing():
     with pytest.raises(CompilationAfterWarmupError):
         with CompileGuard.get().serving():

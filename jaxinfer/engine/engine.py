@@ -105,7 +105,7 @@ class Engine:
 
         def compile_one(item):
             key, program = item
-            executable = program.compile()
+            executable = self.runner.compile_lowered(program)
             progress and progress.update()
             return key, executable
 

@@ -63,6 +63,7 @@ class ModelRunner:
         self.caches = layout.allocate(model.mesh)
         self._executables: dict[CompileKey, jax.stages.Compiled] = {}
         self.strict = False  # set once the warm-up is done, in strict mode
+        self.compiler_options: dict[str, str | int | bool] = {}  # XLA options for every executable compiled here
         self._programs = {
             MIXED: jax.jit(self._mixed_step, donate_argnums=(1,)),
             DECODE: jax.jit(self._decode_loop, donate_argnums=(1,)),
@@ -182,8 +183,12 @@ class ModelRunner:
     def add_executable(self, key: CompileKey, executable: jax.stages.Compiled) -> None:
         self._executables[key] = executable
 
+    def compile_lowered(self, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+        """XLA-compile a lowered program with this runner's ``compiler_options``."""
+        return lowered.compile(compiler_options=self.compiler_options or None)
+
     def compile(self, key: CompileKey) -> None:
-        self.add_executable(key, self.lower(key).compile())
+        self.add_executable(key, self.compile_lowered(self.lower(key)))
 
     def executable(self, key: CompileKey) -> jax.stages.Compiled:
         """The compiled program for ``key`` (for inspection: its HLO, cost and memory analyses)."""
