@@ -31,17 +31,21 @@ steps trace, and so pick their ops, then). The variants:
 - ``xla-sort``: XLA's own sort kernels instead of CUB's radix sort; then the filter ``cond`` is
   recorded into the graph and no longer waits on the host (``graph-loop+xla-sort``: the whole loop
   in one graph).
-- ``greedy-sampler``: the sampler as a bare argmax, without its ``cond``s: what they cost a greedy
-  step (not a replacement: it ignores temperature and the filters).
+- ``one-sampler-loop``: every batch through the decode loop with the full sampler, as before the
+  all-greedy loop (``ModelRunner._decode_loop``).
+- ``greedy-sampler``: every sampler a bare argmax, without its ``cond``s (it ignores temperature and
+  the filters; main's all-greedy loop already samples greedy batches this way).
 - ``logprobs``: the engine built with ``max_logprobs=5`` (its default) instead of 0, no request asking.
-- Variants joined by ``+`` apply together (``graph-loop+greedy-sampler``).
-
-  What these four measured at B=1 (``benchmarks/results/2026-11-30-h200-r9/``): the sampler costs a
-  greedy 48-layer step about 47 us (``greedy-sampler`` 0.983), a third of it the filter ``cond``'s
-  trip through the host (``xla-sort`` 0.996); the loop in the graph gained nothing; ``logprobs`` 1.004.
 - ``trigger-FAMILY=POINT[,FAMILY=POINT...]``: the Pallas kernels of those families let the next kernel
   launch at another point (``jaxinfer.kernels.pdl``: ``start``, or ``none``: as the last program
   exits); ``trigger-all=none`` for every family.
+- Variants joined by ``+`` apply together (``graph-loop+greedy-sampler``).
+
+What the sampler and loop variants measured at B=1 (``benchmarks/results/2026-11-30-h200-r9/``),
+before the all-greedy loop: the full sampler cost a greedy 48-layer step about 47 us
+(``greedy-sampler`` 0.983), a third of it the filter ``cond``'s trip through the host (``xla-sort``
+0.996); the loop in the graph gained nothing; ``logprobs`` 1.004. With the all-greedy loop in main,
+``one-sampler-loop`` was 1.018.
 
 Several variants given together each run against main in the same process, their calls alternating.
 
@@ -113,7 +117,7 @@ def compiler_options(name: str) -> dict:
     return options
 
 
-def _greedy_sample(logits, batch, num_logprobs=0):
+def _greedy_sample(logits, batch, num_logprobs=0, all_greedy=False):
     import jax.numpy as jnp
 
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
@@ -130,6 +134,13 @@ def variant_context(name: str):
         return stack
     if name in ("graph-loop", "xla-sort", "logprobs"):  # compiler options / engine settings only
         return contextlib.nullcontext()
+    if name == "one-sampler-loop":
+        from jaxinfer.engine import runner, sampling
+
+        def full_sampler(logits, batch, num_logprobs=0, all_greedy=False):
+            return sampling.sample(logits, batch, num_logprobs)
+
+        return _patched(runner, "sample", full_sampler)
     if name == "greedy-sampler":
         from jaxinfer.engine import runner
 
@@ -199,7 +210,7 @@ def _norm_then_project(x, residual, norm_weight, weights, biases=None, *, eps, u
 
 NAMED_VARIANTS = ("unfused-rotary-decode", "skinny-router", "skinny-one-row", "moe-down-four-stages",
                   "unfused-norm-project", "norm-project-8x2048", "graph-loop", "greedy-sampler", "xla-sort",
-                  "logprobs")
+                  "logprobs", "one-sampler-loop")
 VARIANT_FORMS = ("decode-blocks-N", "decode-splits-N", "trigger-FAMILY=POINT,...", "VARIANT+VARIANT")
 
 
@@ -253,7 +264,10 @@ def main():
     pages = args.batch * -(-max_len // 16) + 8  # a cache for these requests only: two engines share the GPU
     _, _, engine = build_engine(args.model, args.layers, steps=args.steps, max_len=max_len, max_seqs=args.batch,
                                 batched_tokens=max(16, args.batch), num_pages=pages)
+    compile_s = {}
+    start = time.perf_counter()
     runs = {"main": (engine, *decode_requests(engine, args.batch, args.context, args.steps))}
+    compile_s["main"] = time.perf_counter() - start
     for variant in args.variant:
         with variant_context(variant):  # the same weights behind another engine
             config = engine.config
@@ -261,7 +275,9 @@ def main():
                 config = dataclasses.replace(config, max_logprobs=5)
             variant_engine = Engine(engine.model, config)
             variant_engine.runner.compiler_options = compiler_options(variant)
+            start = time.perf_counter()
             runs[variant] = (variant_engine, *decode_requests(variant_engine, args.batch, args.context, args.steps))
+            compile_s[variant] = time.perf_counter() - start  # tracing and compiling the decode program
     times = {name: [] for name in runs}
     tokens = {}
     for _ in range(args.rounds + 1):  # the first round warms up and is dropped
@@ -275,6 +291,7 @@ def main():
               "ratio_to_main_median": {  # per round, so that drift shared by both calls of a round cancels
                   variant: float(np.median(np.asarray(times[variant][1:]) / np.asarray(times["main"][1:])))
                   for variant in args.variant},
+              "compile_s": compile_s,
               "same_tokens": {variant: bool((np.asarray(tokens["main"]) == np.asarray(tokens[variant])).all())
                               for variant in args.variant}}
     print(json.dumps(result), flush=True)

@@ -88,6 +88,44 @@ def test_runner_compiles_with_its_compiler_options(strict_llm):
         runner.add_executable(key, executable)
 
 
+def test_all_greedy_batches_take_the_greedy_loop(hf_checkpoint, strict_llm, monkeypatch):
+    """The decode loop samples with the argmax alone exactly when every row is greedy. A sampler that
+    marks its all-greedy calls (token 7) shows which loop ran; a batch with a sampling row must give
+    the tokens of the unmarked engine."""
+    from jaxinfer.engine import runner as runner_module
+    from jaxinfer.engine import sampling
+
+    def marking_sampler(logits, batch, num_logprobs=0, all_greedy=False):
+        tokens, logprobs = sampling.sample(logits, batch, num_logprobs, all_greedy)
+        return (jnp.full_like(tokens, 7) if all_greedy else tokens), logprobs
+
+    monkeypatch.setattr(runner_module, "sample", marking_sampler)
+    path, _ = hf_checkpoint("llama")
+    marked = LLM(path, warmup=False, **SMALL)
+    prompts = random_prompts([7, 19], seed=8)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, seed=1, max_tokens=6, ignore_eos=True)
+    alone = marked.generate(prompt_token_ids=[prompts[0]], sampling_params=greedy)[0].token_ids
+    assert alone[1:] == [7] * 5  # the first token comes from the prefill step
+    mixed = [o.token_ids for o in marked.generate(prompt_token_ids=prompts, sampling_params=[greedy, sampled])]
+    assert mixed == [o.token_ids for o in strict_llm.generate(prompt_token_ids=prompts,
+                                                               sampling_params=[greedy, sampled])]
+    assert mixed[0][1:] != [7] * 5
+
+
+def test_greedy_tokens_and_logprobs_do_not_depend_on_the_batch_sampling(strict_llm):
+    """A greedy request gets the same tokens and logprobs from the all-greedy loop (next to another
+    greedy request) as from the full sampler's loop (next to a sampling request): same shapes, same
+    logits, only the sampler differs."""
+    prompts = random_prompts([7, 19], seed=9)
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+    sampled = SamplingParams(temperature=0.8, top_k=20, seed=1, max_tokens=10, ignore_eos=True, logprobs=3)
+    all_greedy = strict_llm.generate(prompt_token_ids=prompts, sampling_params=[greedy, greedy])[0]
+    mixed = strict_llm.generate(prompt_token_ids=prompts, sampling_params=[greedy, sampled])[0]
+    assert all_greedy.token_ids == mixed.token_ids
+    assert all_greedy.logprobs == mixed.logprobs
+
+
 def test_compile_guard_catches_tracing():
     with pytest.raises(CompilationAfterWarmupError):
         with CompileGuard.get().serving():

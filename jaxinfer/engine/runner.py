@@ -3,7 +3,8 @@
 * ``mixed step``: one forward over a ragged batch of new tokens (prefill chunks and decode tokens of
   several sequences), then one sample per sequence.
 * ``decode loop``: ``decode_steps`` forward+sample steps in a ``lax.while_loop`` on the device,
-  feeding each sampled token back in, stopping sequences on EOS / stop ids / their token budget.
+  feeding each sampled token back in, stopping sequences on EOS / stop ids / their token budget
+  (one loop for all-greedy batches, whose sampler is the argmax alone, and one with the full sampler).
 
 Both donate the KV caches, so the cache is updated in place. Inputs are built on the host as numpy
 arrays padded to a ``CompileKey`` bucket; the compiled executable for that key is looked up (compiled
@@ -11,6 +12,8 @@ at warm-up), never traced at serving time.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -85,7 +88,7 @@ class ModelRunner:
         out_logprobs = (jnp.zeros((num_steps, num_seqs), jnp.float32), jnp.zeros((num_steps, num_seqs, k), jnp.int32),
                         jnp.zeros((num_steps, num_seqs, k), jnp.float32))
 
-        def step(carry):
+        def step(all_greedy: bool, carry):
             i, caches, st, out_tokens, out_logprobs = carry
             page = st.block_tables[rows, st.positions // page_size]
             md = AttentionMetadata(
@@ -98,7 +101,8 @@ class ModelRunner:
                 decode=True,
             )
             logits, caches = self.model.model.apply({"params": params}, st.tokens, md, caches)
-            tokens, logprobs = sample(logits, sampling.replace(counters=sampling.counters + i), self.config.max_logprobs)
+            tokens, logprobs = sample(logits, sampling.replace(counters=sampling.counters + i),
+                                      self.config.max_logprobs, all_greedy)
             out_tokens = out_tokens.at[i].set(jnp.where(st.active, tokens, -1))
             if logprobs is not None:
                 out_logprobs = tuple(buf.at[i].set(val) for buf, val in zip(out_logprobs, logprobs))
@@ -112,12 +116,21 @@ class ModelRunner:
             )
             return i + 1, caches, st, out_tokens, out_logprobs
 
-        def keep_going(carry):
+        def keep_going(this_loop_runs, carry):
             i, _, st, _, _ = carry
-            return (i < num_steps) & jnp.any(st.active)
+            return this_loop_runs & (i < num_steps) & jnp.any(st.active)
 
-        _, caches, _, out_tokens, out_logprobs = jax.lax.while_loop(
-            keep_going, step, (jnp.int32(0), caches, state, out_tokens, out_logprobs))
+        # Temperatures do not change within a call, so an all-greedy batch is told apart once, and
+        # runs a loop whose sampler is the argmax alone: the sampler's conds cost a greedy
+        # one-sequence step of Qwen3-30B-A3B 1.7% (benchmarks/results/2026-11-30-h200-r9/). Two loops
+        # in a row, of which only one iterates, rather than a cond around them: a cond's operands
+        # (the caches) would be copied.
+        all_greedy = jnp.all(sampling.temperature <= 0)  # padding rows are greedy
+        carry = (jnp.int32(0), caches, state, out_tokens, out_logprobs)
+        for greedy_loop in (True, False):
+            carry = jax.lax.while_loop(functools.partial(keep_going, all_greedy == greedy_loop),
+                                       functools.partial(step, greedy_loop), carry)
+        _, caches, _, out_tokens, out_logprobs = carry
         return caches, out_tokens, out_logprobs
 
     # ---- host-side inputs ----------------------------------------------------------------------

@@ -93,15 +93,26 @@ def _filter_logits(x, top_k, top_p, min_p):
     return jnp.where((x >= threshold) & (x >= min_p_threshold), x, -jnp.inf)
 
 
-def sample(logits, batch: SamplingBatch, num_logprobs: int = 0):
+def sample(logits, batch: SamplingBatch, num_logprobs: int = 0, all_greedy: bool = False):
     """logits [S, V] float32 -> (tokens [S] int32, logprobs or None).
 
     ``logprobs`` (when ``num_logprobs > 0``) is ``(sampled [S], top_ids [S, N], top_values [S, N])``
     from the log-softmax of the raw logits (before temperature and filters); zeros when no row
     asked for them. The filters, the random draw and the logprobs each run only when some row of
-    the batch needs them (``lax.cond``), so an all-greedy decode step pays for none of them.
+    the batch needs them (``lax.cond``). The ``cond``s still cost a step time, the filters' one a
+    trip through the host (it holds CUB's sort, which a CUDA graph cannot). ``all_greedy`` (static)
+    promises that every row is greedy: the tokens are then the argmax alone, with no ``cond`` but
+    the logprobs' one, which XLA keeps in the graph.
     """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if all_greedy:
+        return greedy, _logprobs(logits, greedy, batch, num_logprobs)
+    tokens = _draw(logits, greedy, batch)
+    return tokens, _logprobs(logits, tokens, batch, num_logprobs)
+
+
+def _draw(logits, greedy, batch: SamplingBatch):
+    """Each sampling row's draw from its filtered, temperature-scaled logits; ``greedy`` elsewhere."""
     temperature = jnp.where(batch.temperature > 0, batch.temperature, 1.0)
     scaled = logits / temperature[:, None]
     needs_filter = jnp.any((batch.top_k > 0) | (batch.top_p < 1) | (batch.min_p > 0))
@@ -117,9 +128,13 @@ def sample(logits, batch: SamplingBatch, num_logprobs: int = 0):
         lambda x: greedy,
         scaled,
     )
-    tokens = jnp.where(batch.temperature > 0, drawn, greedy)
+    return jnp.where(batch.temperature > 0, drawn, greedy)
+
+
+def _logprobs(logits, tokens, batch: SamplingBatch, num_logprobs: int):
+    """``(sampled, top_ids, top_values)`` as ``sample`` documents them, or None when ``num_logprobs <= 0``."""
     if num_logprobs <= 0:
-        return tokens, None
+        return None
 
     def logprobs(logits):
         logp = jax.nn.log_softmax(logits, axis=-1)
@@ -132,4 +147,4 @@ def sample(logits, batch: SamplingBatch, num_logprobs: int = 0):
         return (jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, num_logprobs), jnp.int32),
                 jnp.zeros((rows, num_logprobs), jnp.float32))
 
-    return tokens, jax.lax.cond(jnp.any(batch.wants_logprobs), logprobs, none, logits)
+    return jax.lax.cond(jnp.any(batch.wants_logprobs), logprobs, none, logits)
