@@ -5,6 +5,8 @@ runs the engine's decode loop once under ``jax.profiler.trace`` and reads the GP
 the call's span, the time some kernel was running (busy), the gaps between kernels, and the kernels
 by total time with their HLO op names (``--hlo`` writes the optimised HLO to map fusion names to
 ops). Tracing slows the host side and so inflates the gaps; compare busy time and kernel counts.
+A kernel launched early (``jaxinfer.kernels.pdl``) counts its wait at entry, while the kernel in
+front of it runs, in its traced duration: per-kernel times of the decode step are upper bounds.
 
     PYTHONPATH=. python3 scripts/profile_step.py --model qwen3-30b-a3b --layers 4 --batch 1
 """
