@@ -39,6 +39,8 @@ steps trace, and so pick their ops, then). The variants:
 - ``trigger-FAMILY=POINT[,FAMILY=POINT...]``: the Pallas kernels of those families let the next kernel
   launch at another point (``jaxinfer.kernels.pdl``: ``start``, or ``none``: as the last program
   exits); ``trigger-all=none`` for every family.
+- ``moe-block-ops``: a one-token MoE block as its ops one after another (add + norm kernel, router
+  projection, routing kernel, grouped experts) instead of the one-kernel block (``moe.block_mgpu``).
 - Variants joined by ``+`` apply together (``graph-loop+greedy-sampler``).
 
 What the sampler and loop variants measured at B=1 (``benchmarks/results/2026-11-30-h200-r9/``),
@@ -167,6 +169,13 @@ def variant_context(name: str):
                                                            down_tuning=grouped_pallas.KernelTuning(num_stages=4)))
     if name == "unfused-norm-project":
         return _replaced(linear, "norm_project", _norm_then_project)
+    if name == "moe-block-ops":
+        block = moe._dispatch.implementations["pallas"]["moe_block"]
+
+        def ops_one_after_another(*args, flag=None, **options):  # without a flag the kernel is never taken
+            return block(*args[:7], None, **options)
+
+        return _replaced(moe, "moe_block", ops_one_after_another)
     if name.startswith(("decode-blocks-", "decode-splits-")):
         from jaxinfer.kernels.attention import decode_pallas
 
@@ -210,7 +219,7 @@ def _norm_then_project(x, residual, norm_weight, weights, biases=None, *, eps, u
 
 NAMED_VARIANTS = ("unfused-rotary-decode", "skinny-router", "skinny-one-row", "moe-down-four-stages",
                   "unfused-norm-project", "norm-project-8x2048", "graph-loop", "greedy-sampler", "xla-sort",
-                  "logprobs", "one-sampler-loop")
+                  "logprobs", "one-sampler-loop", "moe-block-ops")
 VARIANT_FORMS = ("decode-blocks-N", "decode-splits-N", "trigger-FAMILY=POINT,...", "VARIANT+VARIANT")
 
 
@@ -293,7 +302,11 @@ def main():
                   for variant in args.variant},
               "compile_s": compile_s,
               "same_tokens": {variant: bool((np.asarray(tokens["main"]) == np.asarray(tokens[variant])).all())
-                              for variant in args.variant}}
+                              for variant in args.variant},
+              # the first step (of the last round's call) whose tokens differ, per sequence (-1: none)
+              "first_different_step": {variant: [int(np.argmax(d)) if d.any() else -1 for d in
+                                                 (np.asarray(tokens["main"]) != np.asarray(tokens[variant])).T]
+                                       for variant in args.variant}}
     print(json.dumps(result), flush=True)
     label = f"{len(args.variant)}_variants" if len(args.variant) > 1 else args.variant[0]
     label = label.replace("=", "-").replace(",", "_")  # a plain file name

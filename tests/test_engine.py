@@ -212,3 +212,15 @@ def test_persistent_compilation_cache(tmp_path, hf_checkpoint):
     finally:
         compilation_cache.reset_cache()
         jax.config.update("jax_compilation_cache_dir", None)
+
+
+def test_every_model_call_gets_its_own_step_ids(strict_llm):
+    """The step ids that flag persistent kernels' hand-offs: consecutive, one per model call and
+    ``decode_steps`` per decode loop, never repeated across calls (they wrap after 2**31)."""
+    runner = strict_llm.engine.runner
+    before = runner.next_step_id
+    strict_llm.generate(prompt_token_ids=[random_prompts([5], seed=4)[0]], sampling_params=GREEDY)
+    assert runner.next_step_id > before
+    runner.next_step_id = 2 ** 31 - 3
+    first = runner._take_step_ids(8)
+    assert first.dtype == jnp.int32 and int(first) == 2 ** 31 - 3 and runner.next_step_id == 5

@@ -1,4 +1,4 @@
-"""The Pallas GPU kernels lower to Triton for the GPU, checked on CPU-only machines.
+"""The Pallas GPU kernels lower to Triton (or Mosaic GPU) for the GPU, checked on CPU-only machines.
 
 Interpret mode (the other kernel tests) runs the kernels' jnp semantics; it does not check that
 Pallas can turn them into Triton IR (supported ops, shapes, layouts). Lowering for the ``cuda``
@@ -20,6 +20,7 @@ from jaxinfer.kernels.attention import prefill_mgpu
 from jaxinfer.kernels.attention.prefill_pallas import ragged_paged_attention
 from jaxinfer.kernels.attention.rotary_pallas import rotary_cache_write
 from jaxinfer.kernels.linear.skinny_pallas import norm_project, project
+from jaxinfer.kernels.moe import block_mgpu
 from jaxinfer.kernels.moe.grouped_pallas import moe_mlp
 from jaxinfer.kernels.moe.grouping_pallas import group_by_expert
 from jaxinfer.kernels.moe.router_pallas import route
@@ -273,3 +274,12 @@ def test_interpreted_kernels_carry_no_trigger():
 
     assert pdl.with_trigger(kernel, "rms_norm", interpret=True) is kernel
     assert pdl.with_trigger(kernel, "rms_norm") is not kernel
+
+
+def test_moe_block_kernel_lowers():
+    """The one-token MoE block kernel through Mosaic GPU's lowering (layout inference, inline PTX
+    operands) at the shapes it takes."""
+    shapes = [S((2048,), BF16), S((2048,), BF16), S((2048,), BF16), S((128, 2048), BF16), S((128, 768, 2048), BF16),
+              S((128, 768, 2048), BF16), S((128, 2048, 768), BF16), S((32,), I32)]
+    text = jax.jit(block_mgpu._build(1e-6)).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text

@@ -1,10 +1,14 @@
-"""Mixture-of-experts: model parity against transformers, the MXFP4 loader, routers and the expert op."""
+"""Mixture-of-experts: model parity against transformers, the MXFP4 loader, routers, the expert op and the
+one-token block."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 
+import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,9 +16,10 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 from jaxinfer import load_model
-from jaxinfer.kernels.moe import gated_activation, moe_mlp
+from jaxinfer.kernels.moe import block_mgpu, gated_activation, moe_mlp
 from jaxinfer.models.gpt_oss import FP4_VALUES, dequantize_mxfp4
-from jaxinfer.models.layers.moe import MoESpec, route
+from jaxinfer.models.layers.moe import MoESpec, SparseMoE, route
+from jaxinfer.models.layers.norm import NormWeight, RMSNorm
 from tests.conftest import assert_greedy_matches_hf, make_hf_checkpoint, random_prompts
 
 MOE = dict(head_dim=16, intermediate_size=48)
@@ -150,3 +155,58 @@ def test_moe_checkpoint_errors_name_the_tensor_and_key(tmp_path):
         json.dump(raw, f)
     with pytest.raises(ConfigError, match="'num_experts' or 'num_local_experts'"):
         load_model(path)
+
+
+class _MoEBlock(nn.Module):
+    """A decoder layer's MoE half: the norm module and the block, or the block taking both."""
+
+    spec: MoESpec
+    whole: bool
+
+    @nn.compact
+    def __call__(self, attn_out, residual, flag=None):
+        moe = SparseMoE(self.spec, name="mlp")
+        if self.whole:
+            weight = NormWeight(attn_out.shape[-1], name="post_attention_layernorm")()
+            return moe(attn_out, block=(residual, weight, 1e-6, flag))
+        h, residual = RMSNorm(1e-6, name="post_attention_layernorm")(attn_out, residual)
+        return moe(h), residual
+
+
+def test_one_token_moe_block_is_the_norm_and_the_block():
+    spec = MoESpec(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True)
+    rng = np.random.RandomState(0)
+    attn_out, residual = (jnp.asarray(rng.randn(1, 64), jnp.float32) for _ in range(2))
+    params = _MoEBlock(spec, whole=False).init(jax.random.PRNGKey(0), attn_out, residual)
+    whole_params = _MoEBlock(spec, whole=True).init(jax.random.PRNGKey(0), attn_out, residual)
+    assert jax.tree.map(jnp.shape, whole_params) == jax.tree.map(jnp.shape, params)  # one checkpoint layout
+    want = _MoEBlock(spec, whole=False).apply(params, attn_out, residual)
+    for flag in (None, jnp.int32(7)):
+        got = _MoEBlock(spec, whole=True).apply(params, attn_out, residual, flag)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_which_moe_blocks_take_the_norm_with_them():
+    spec = MoESpec(num_experts=8, top_k=2, intermediate_size=32)
+    assert SparseMoE.takes_whole_block(spec, 1)
+    assert not SparseMoE.takes_whole_block(spec, 2)
+    for other in (dict(router="sigmoid_bias"), dict(router="topk_softmax"), dict(expert_bias=True),
+                  dict(router_bias=True), dict(activation="gpt_oss"), dict(shared_intermediate_size=16),
+                  dict(routed_scaling_factor=2.5)):
+        assert not SparseMoE.takes_whole_block(dataclasses.replace(spec, **other), 1), other
+
+
+def test_moe_block_kernel_takes_only_its_shapes():
+    bf = lambda *shape: jnp.zeros(shape, jnp.bfloat16)  # noqa: E731
+    x, gate, down, router = bf(1, 2048), bf(128, 768, 2048), bf(128, 2048, 768), bf(128, 2048)
+    semantics = dict(top_k=8, router="softmax_topk", norm_topk_prob=True, activation="silu", has_biases=False)
+    assert block_mgpu.fits(x, gate, gate, down, router, **semantics)
+    for other in (dict(top_k=4), dict(norm_topk_prob=False), dict(router="sigmoid_bias"), dict(has_biases=True),
+                  dict(activation="gpt_oss")):
+        assert not block_mgpu.fits(x, gate, gate, down, router, **{**semantics, **other}), other
+    assert not block_mgpu.fits(bf(2, 2048), gate, gate, down, router, **semantics)
+    assert not block_mgpu.fits(x.astype(jnp.float32), gate, gate, down, router, **semantics)
+    assert not block_mgpu.fits(x, bf(64, 768, 2048), gate, down, router, **semantics)
+    assert not block_mgpu.device_fits()  # no GPU here
+    assert not block_mgpu.supports(x, gate, gate, down, router, **semantics)

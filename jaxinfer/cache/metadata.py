@@ -9,6 +9,11 @@ listed in ``block_tables[s]``. Token ``t`` attends to positions ``<= positions[t
 ``decode`` (static) says every sequence brings exactly one token, ``T == S`` and token ``s`` belongs
 to sequence ``s``; attention then takes the decode op. ``logits_indices[s]`` is the token row whose
 logits sequence ``s`` samples from (its last token in the step).
+
+``step_id`` (an int32 scalar, or None) numbers the model calls of an engine: no two recent calls
+share one. Kernels whose CTAs hand data to each other as flagged words derive their flag from it
+(``jaxinfer.kernels.mgpu_inline``), so that the words a reused buffer still holds from an earlier
+call never pass for this one's; without it those kernels are not used.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ class AttentionMetadata:
     block_tables: jax.Array  # [S, pages_per_seq] int32
     seq_lens: jax.Array  # [S] int32
     logits_indices: jax.Array  # [S] int32
+    step_id: jax.Array | None = None  # [] int32
     decode: bool = struct.field(pytree_node=False, default=False)
 
     @property

@@ -39,6 +39,7 @@ class DecodeState:
     active: jax.Array  # [S] bool
     remaining: jax.Array  # [S] int32: tokens the sequence may still generate
     stop_ids: jax.Array  # [S, K] int32, -1 padded
+    step_id: jax.Array  # [] int32: the first step's ``AttentionMetadata.step_id``
 
 
 def _sampling_rows(requests: list[Request], num_rows: int) -> SamplingBatch:
@@ -67,6 +68,7 @@ class ModelRunner:
         self._executables: dict[CompileKey, jax.stages.Compiled] = {}
         self.strict = False  # set once the warm-up is done, in strict mode
         self.compiler_options: dict[str, str | int | bool] = {}  # XLA options for every executable compiled here
+        self.next_step_id = 0  # AttentionMetadata.step_id of the next model call (2**31 of them before a repeat)
         self._programs = {
             MIXED: jax.jit(self._mixed_step, donate_argnums=(1,)),
             DECODE: jax.jit(self._decode_loop, donate_argnums=(1,)),
@@ -98,6 +100,7 @@ class ModelRunner:
                 block_tables=st.block_tables,
                 seq_lens=jnp.where(st.active, st.positions + 1, 0),
                 logits_indices=rows,
+                step_id=st.step_id + i,
                 decode=True,
             )
             logits, caches = self.model.model.apply({"params": params}, st.tokens, md, caches)
@@ -157,7 +160,8 @@ class ModelRunner:
             seq_lens[row] = r.num_computed + n
             logits_indices[row] = offset + n - 1
             offset += n
-        md = AttentionMetadata(positions, slots, token_seq_ids, block_tables, seq_lens, logits_indices)
+        md = AttentionMetadata(positions, slots, token_seq_ids, block_tables, seq_lens, logits_indices,
+                               step_id=self._take_step_ids(1))
         return token_ids, md, _sampling_rows([r for r, _ in items], s)
 
     def decode_inputs(self, key: CompileKey, requests: list[Request]):
@@ -175,8 +179,15 @@ class ModelRunner:
             active[row] = True
             remaining[row] = r.remaining_output
             stop_ids[row, :len(r.stop_ids)] = r.stop_ids
-        state = DecodeState(tokens, positions, block_tables, active, remaining, stop_ids)
+        state = DecodeState(tokens, positions, block_tables, active, remaining, stop_ids,
+                            self._take_step_ids(self.config.decode_steps))
         return state, _sampling_rows(requests, s)
+
+    def _take_step_ids(self, count: int) -> np.ndarray:
+        """The first of ``count`` consecutive step ids for the call being built (int32, wrapping)."""
+        first = np.int32(self.next_step_id)
+        self.next_step_id = (self.next_step_id + count) % 2 ** 31
+        return first
 
     def _example_inputs(self, key: CompileKey):
         return self.mixed_inputs(key, []) if key.kind == MIXED else self.decode_inputs(key, [])

@@ -79,6 +79,8 @@ class DecoderLayer(nn.Module):
     spec: LayerSpec
     norm_float32_weight: bool
     param_dtype: jnp.dtype
+    layer_index: int = 0
+    num_layers: int = 1
 
     @nn.compact
     def __call__(self, x, residual, cos, sin, kv_cache, md):
@@ -106,12 +108,20 @@ class DecoderLayer(nn.Module):
             mlp = GatedMLP(c.intermediate_size, c.hidden_act, spec.mlp_bias, self.param_dtype, name=spec.mlp_name)
             out, residual = mlp(attn_out, pre_norm("post_attention_layernorm", residual))
             return out, residual, kv_cache
-        # The router is a single projection, which stays XLA's after the add + norm kernel. Folding the
-        # norm into the routing kernel, the gate + up kernel or the router's projection kernel measured
-        # slower (docs/performance.md).
+        moe = SparseMoE(spec.moe, c.hidden_act, self.param_dtype, name=spec.mlp_name)
+        if SparseMoE.takes_whole_block(spec.moe, attn_out.shape[0]) and not self.norm_float32_weight:
+            # One token: the add, the norm and the block as one op (one kernel on the GPU where it fits),
+            # its hand-off words flagged per call and layer.
+            weight = NormWeight(x.shape[-1], self.param_dtype, name="post_attention_layernorm")()
+            flag = None if md.step_id is None else md.step_id * self.num_layers + self.layer_index
+            out, residual = moe(attn_out, block=(residual, weight, c.rms_norm_eps, flag))
+            return out, residual, kv_cache
+        # Otherwise the router is a single projection, which stays XLA's after the add + norm kernel.
+        # Folding the norm into the routing kernel, the gate + up kernel or the router's projection
+        # kernel measured slower (docs/performance.md).
         h, residual = RMSNorm(c.rms_norm_eps, float32_weight=self.norm_float32_weight, param_dtype=self.param_dtype,
                               name="post_attention_layernorm")(attn_out, residual)
-        return SparseMoE(spec.moe, c.hidden_act, self.param_dtype, name=spec.mlp_name)(h), residual, kv_cache
+        return moe(h), residual, kv_cache
 
 
 class DecoderModel(nn.Module):
@@ -130,8 +140,9 @@ class DecoderModel(nn.Module):
         cos, sin = rope.cos_sin(md.positions, md.seq_lens[md.token_seq_ids])
         new_caches, residual = [], None
         for i, layer in enumerate(self.spec.layers):
-            x, residual, kv = DecoderLayer(c, layer, self.spec.norm_float32_weight, self.param_dtype,
-                                           name=f"layers_{i}")(x, residual, cos, sin, caches[i], md)
+            x, residual, kv = DecoderLayer(c, layer, self.spec.norm_float32_weight, self.param_dtype, i,
+                                           len(self.spec.layers), name=f"layers_{i}")(x, residual, cos, sin,
+                                                                                      caches[i], md)
             new_caches.append(kv)
         final_norm = RMSNorm(c.rms_norm_eps, float32_weight=self.spec.norm_float32_weight,
                              param_dtype=self.param_dtype, name="norm")

@@ -12,6 +12,10 @@
 
 Ties go to the lower expert index (``jax.lax.top_k``'s order).
 
+**The whole block at one token** (``moe_block``): the residual add and RMSNorm in front of the
+router, the router projection, the routing and the experts, as the decoder layer runs them one op
+after another; the GPU may run it as one kernel (``block_mgpu``).
+
 **Expert MLP** (``moe_mlp``):
 
 Every token's ``k`` (token, expert) assignments are sorted by expert so that each expert's rows are
@@ -27,6 +31,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from jaxinfer.kernels.linear.reference import project
+from jaxinfer.kernels.norm.reference import add_rms_norm
 
 
 def gated_activation(gate, up, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0):
@@ -98,3 +105,16 @@ def moe_mlp(x, expert_ids, expert_weights, gate, up, down, *, gate_bias=None, up
     # Back to (token, slot) order, then sum each token's k slots.
     unsorted = jnp.zeros_like(weighted).at[order].set(weighted)
     return unsorted.reshape(num_tokens, top_k, -1).sum(axis=1).astype(x.dtype)
+
+
+def moe_block(attn_out, residual, norm_weight, router_weight, gate, up, down, flag=None, *, eps: float,
+              top_k: int, norm_topk_prob: bool = True):
+    """A decoder layer's MoE block with softmax top-k routing and no biases: ``h = attn_out +
+    residual``, its RMSNorm (``add_rms_norm``), the router projection (bf16 logits, as ``nn.Linear``),
+    ``route`` and ``moe_mlp``. -> (the MoE output, ``h``), each like ``attn_out``. ``flag`` is for
+    kernels (see ``block_mgpu``); the reference ignores it."""
+    del flag
+    normed, h = add_rms_norm(attn_out, residual, norm_weight, eps)
+    (logits,) = project(normed, [router_weight])
+    weights, ids = route(logits, router="softmax_topk", top_k=top_k, norm_topk_prob=norm_topk_prob)
+    return moe_mlp(normed, ids, weights, gate, up, down, distinct_experts=True), h

@@ -7,6 +7,10 @@ router's ``e_score_correction_bias`` is a parameter of this block.
 Experts are stored stacked in nn.Linear orientation (``gate``/``up`` ``[E, I, H]``, ``down``
 ``[E, H, I]``) and run through ``jaxinfer.kernels.moe.moe_mlp``. An optional shared expert (a plain
 gated MLP, optionally scaled by ``sigmoid(shared_expert_gate(x))``) is added to every token.
+
+At one token a block with softmax top-k routing and nothing else (no biases, no shared expert, SiLU)
+runs as one op with the residual add and RMSNorm in front of it (``SparseMoE.takes_whole_block``,
+``jaxinfer.kernels.moe.moe_block``), which the GPU may run as one kernel.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.kernels import moe as moe_ops
-from jaxinfer.models.layers.linear import Linear
+from jaxinfer.models.layers.linear import Linear, LinearParams
 from jaxinfer.models.layers.mlp import GatedMLP
 
 ROUTERS = moe_ops.ROUTERS
@@ -57,13 +61,30 @@ def route(logits, spec: MoESpec, correction_bias=None):
 
 
 class SparseMoE(nn.Module):
+    """``moe(x)`` for the normalised rows ``x``; ``moe(attn_out, block=(residual, norm_weight, eps,
+    flag))`` for the whole block at one token (see ``takes_whole_block``): -> (the MoE output, the
+    residual stream ``attn_out + residual``)."""
+
     spec: MoESpec
     hidden_act: str = "silu"
     param_dtype: jnp.dtype = jnp.float32
 
+    @staticmethod
+    def takes_whole_block(spec: MoESpec, num_tokens: int) -> bool:
+        """Whether the residual add and RMSNorm in front of the block go into one op with it."""
+        return (num_tokens == 1 and spec.router == "softmax_topk" and not spec.router_bias and not spec.expert_bias
+                and spec.activation == "silu" and not spec.shared_intermediate_size
+                and spec.routed_scaling_factor == 1.0 and spec.norm_eps == 0.0)
+
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, block=None):
         spec = self.spec
+        if block is not None:
+            residual, norm_weight, eps, flag = block
+            router, _ = LinearParams(spec.num_experts, False, self.param_dtype, name=spec.router_name)(x.shape[-1])
+            gate, up, down = Experts(spec, x.shape[-1], self.param_dtype, name="experts").weights()
+            return moe_ops.moe_block(x, residual, norm_weight, router, gate, up, down, flag, eps=eps,
+                                     top_k=spec.top_k, norm_topk_prob=spec.norm_topk_prob)
         logits = Linear(spec.num_experts, spec.router_bias, self.param_dtype, name=spec.router_name)(x)
         correction = None
         if spec.router == "sigmoid_bias":
@@ -71,7 +92,7 @@ class SparseMoE(nn.Module):
         # float32 weights: the expert op rounds them to x's dtype, as HF casts them (rounding there
         # spares a separate cast kernel between the router and the experts).
         weights, ids = route(logits, spec, correction)
-        out = Experts(spec, self.param_dtype, name="experts")(x, ids, weights)
+        out = Experts(spec, x.shape[-1], self.param_dtype, name="experts")(x, ids, weights)
         if spec.shared_intermediate_size:
             shared, _ = GatedMLP(spec.shared_intermediate_size, self.hidden_act, False, self.param_dtype,
                                  name="shared_expert")(x)
@@ -83,22 +104,29 @@ class SparseMoE(nn.Module):
 
 class Experts(nn.Module):
     spec: MoESpec
+    hidden: int
     param_dtype: jnp.dtype = jnp.float32
 
-    @nn.compact
-    def __call__(self, x, ids, weights):
-        spec, hidden = self.spec, x.shape[-1]
+    def setup(self):
+        spec, hidden = self.spec, self.hidden
         e, i = spec.num_experts, spec.intermediate_size
         init = nn.initializers.normal(0.02)
-        gate = self.param("gate_proj", init, (e, i, hidden), self.param_dtype)
-        up = self.param("up_proj", init, (e, i, hidden), self.param_dtype)
-        down = self.param("down_proj", init, (e, hidden, i), self.param_dtype)
-        biases = {}
+        self.gate = self.param("gate_proj", init, (e, i, hidden), self.param_dtype)
+        self.up = self.param("up_proj", init, (e, i, hidden), self.param_dtype)
+        self.down = self.param("down_proj", init, (e, hidden, i), self.param_dtype)
+        self.biases = {}
         if spec.expert_bias:
             zeros = nn.initializers.zeros
-            biases = dict(gate_bias=self.param("gate_proj_bias", zeros, (e, i), self.param_dtype),
-                          up_bias=self.param("up_proj_bias", zeros, (e, i), self.param_dtype),
-                          down_bias=self.param("down_proj_bias", zeros, (e, hidden), self.param_dtype))
+            self.biases = dict(gate_bias=self.param("gate_proj_bias", zeros, (e, i), self.param_dtype),
+                               up_bias=self.param("up_proj_bias", zeros, (e, i), self.param_dtype),
+                               down_bias=self.param("down_proj_bias", zeros, (e, hidden), self.param_dtype))
+
+    def weights(self):
+        """(gate, up, down) for ops that run the experts themselves."""
+        return self.gate, self.up, self.down
+
+    def __call__(self, x, ids, weights):
+        spec = self.spec
         # Routers pick top-k: a token's k experts are distinct, which the kernel's decode path uses.
-        return moe_ops.moe_mlp(x, ids, weights, gate, up, down, activation=spec.activation, alpha=spec.alpha,
-                               limit=spec.limit, distinct_experts=True, **biases)
+        return moe_ops.moe_mlp(x, ids, weights, self.gate, self.up, self.down, activation=spec.activation,
+                               alpha=spec.alpha, limit=spec.limit, distinct_experts=True, **self.biases)
