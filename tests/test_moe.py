@@ -210,3 +210,10 @@ def test_moe_block_kernel_takes_only_its_shapes():
     assert not block_mgpu.fits(x, bf(64, 768, 2048), gate, down, router, **semantics)
     assert not block_mgpu.device_fits()  # no GPU here
     assert not block_mgpu.supports(x, gate, gate, down, router, **semantics)
+    norm = bf(2048)
+    with pytest.raises(ValueError, match="does not take attn_out float32"):
+        block_mgpu.moe_block(x.astype(jnp.float32), x, norm, router, gate, gate, down, 1, eps=1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        block_mgpu.moe_block(x, bf(2, 2048), norm, router, gate, gate, down, 1, eps=1e-6)
+    with pytest.raises(ValueError, match="needs a flag"):
+        block_mgpu.moe_block(x, x, norm, router, gate, gate, down, None, eps=1e-6)

@@ -462,6 +462,17 @@ def moe_block(attn_out, residual, norm_weight, router_weight, gate, up, down, fl
     """-> (the MoE output [1, H], the residual stream attn_out + residual [1, H]), as
     ``reference.moe_block`` with softmax top-8 routing and renormalised weights. ``flag``: an int32
     scalar unique to the call (see the module docstring)."""
+    semantics = dict(top_k=TOP_K, router="softmax_topk", norm_topk_prob=True, activation="silu", has_biases=False)
+    if not fits(attn_out, gate, up, down, router_weight, **semantics) or residual.shape != attn_out.shape \
+            or norm_weight.shape != (HIDDEN,):
+        raise ValueError(
+            f"the one-token MoE block kernel does not take attn_out {attn_out.dtype}{attn_out.shape}, residual "
+            f"{residual.shape}, norm weight {norm_weight.shape}, gate/up {gate.dtype}{gate.shape}/{up.shape}, down "
+            f"{down.shape}, router {router_weight.shape} (one bf16 token; {NUM_EXPERTS} experts of {INTERMEDIATE} "
+            f"over hidden {HIDDEN}); moe.moe_block sends other calls to the block's ops")
+    if flag is None:
+        raise ValueError("the one-token MoE block kernel needs a flag unique to the call (e.g. the step id times the "
+                         "layer count plus the layer): its hand-off words would otherwise pass for a later call's")
     meta = jnp.zeros((32,), jnp.int32).at[0].set(jnp.asarray(flag, jnp.int32))
     out, h, *_ = _build(float(eps))(attn_out.reshape(HIDDEN), residual.reshape(HIDDEN), norm_weight, router_weight,
                                     gate, up, down, meta)
