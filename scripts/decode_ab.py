@@ -19,6 +19,9 @@ steps trace, and so pick their ops, then). The variants:
   splits per (sequence, KV head) (``decode_pallas.default_blocking`` picks both otherwise; one split
   writes the output itself, with no merge kernel). ``decode-blocks-32`` (72 programs instead of 36 at
   one sequence of 512 tokens) made the 24-layer step no faster.
+- ``decode-kv-first``: the fused decode attention with one block per program issues its K/V reads
+  before it rotates q and k (``kv_reads_first``), so that their memory latency overlaps the rotation.
+- ``decode-warps-N``: the fused decode attention in N warps per program instead of 4.
 - ``norm-project-8x2048``: the one-row norm + projection kernel with 8 weight rows by up to 2048 columns
   per step (a 2048-wide row in one step, no pipeline; wider rows in 3 stages). Against 4 by 1024 this
   made rows up to 2048 wide the default (``skinny_pallas.default_norm_blocking``); it still differs
@@ -183,6 +186,12 @@ def variant_context(name: str):
         return _replaced(attention, "rotary_paged_decode_attention",
                          functools.partial(decode_pallas.rotary_paged_decode_attention,
                                            **{option: int(name.rsplit("-", 1)[1])}))
+    if name == "decode-kv-first" or name.startswith("decode-warps-"):
+        from jaxinfer.kernels.attention import decode_pallas
+
+        option = dict(kv_reads_first=True) if name == "decode-kv-first" else dict(num_warps=int(name.rsplit("-", 1)[1]))
+        return _replaced(attention, "rotary_paged_decode_attention",
+                         functools.partial(decode_pallas.rotary_paged_decode_attention, **option))
     if name == "norm-project-8x2048":
         return _replaced(linear, "norm_project", _norm_project_blocked(8, 2048))
     if name.startswith("trigger-"):
@@ -219,8 +228,8 @@ def _norm_then_project(x, residual, norm_weight, weights, biases=None, *, eps, u
 
 NAMED_VARIANTS = ("unfused-rotary-decode", "skinny-router", "skinny-one-row", "moe-down-four-stages",
                   "unfused-norm-project", "norm-project-8x2048", "graph-loop", "greedy-sampler", "xla-sort",
-                  "logprobs", "one-sampler-loop", "moe-block-ops")
-VARIANT_FORMS = ("decode-blocks-N", "decode-splits-N", "trigger-FAMILY=POINT,...", "VARIANT+VARIANT")
+                  "logprobs", "one-sampler-loop", "moe-block-ops", "decode-kv-first")
+VARIANT_FORMS = ("decode-blocks-N", "decode-splits-N", "decode-warps-N", "trigger-FAMILY=POINT,...", "VARIANT+VARIANT")
 
 
 def _trigger_points(name: str) -> dict[str, str]:
@@ -241,7 +250,7 @@ def variant_name(name: str) -> str:
         return name
     if name in NAMED_VARIANTS:
         return name
-    if name.startswith(("decode-blocks-", "decode-splits-")) and name.rsplit("-", 1)[1].isdigit():
+    if name.startswith(("decode-blocks-", "decode-splits-", "decode-warps-")) and name.rsplit("-", 1)[1].isdigit():
         if int(name.rsplit("-", 1)[1]) < 1:  # 0 would silently fall back to the default blocking
             raise argparse.ArgumentTypeError(f"{name}: N must be at least 1")
         return name

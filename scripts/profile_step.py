@@ -9,6 +9,8 @@ A kernel launched early (``jaxinfer.kernels.pdl``) counts its wait at entry, whi
 front of it runs, in its traced duration: per-kernel times of the decode step are upper bounds.
 
     PYTHONPATH=. python3 scripts/profile_step.py --model qwen3-30b-a3b --layers 4 --batch 1
+
+``--timeline`` prints one step's kernels in order, with the gaps between them (also in the JSON).
 """
 
 from __future__ import annotations
@@ -47,6 +49,29 @@ def summarise(kernels, steps: int, layers: int, top: int = 40) -> dict:
     }
 
 
+def one_step(kernels, steps: int) -> list[dict]:
+    """The kernels of one decode step in the middle of the call, in launch order: start and end
+    relative to the step's first kernel and the gap since the previous kernel ended (negative where
+    a kernel launched early overlaps the one before). A step is cut at the LM head (the longest
+    kernel run once per step)."""
+    counts = collections.Counter(name for _, _, name in kernels)
+    totals = collections.defaultdict(float)
+    for start, end, name in kernels:
+        totals[name] += end - start
+    once = [name for name, n in counts.items() if n == steps]
+    if not once:
+        return []
+    head = max(once, key=totals.__getitem__)
+    marks = [i for i, (_, _, name) in enumerate(kernels) if name == head]
+    first, last = marks[steps // 2 - 1] + 1, marks[steps // 2] + 1  # after one LM head, through the next
+    origin, previous_end, rows = kernels[first][0], kernels[first][0], []
+    for start, end, name in kernels[first:last]:
+        rows.append({"start_us": (start - origin) * 1e-3, "us": (end - start) * 1e-3,
+                     "gap_us": (start - previous_end) * 1e-3, "kernel": name})
+        previous_end = max(previous_end, end)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODELS), default="llama3-8b")
@@ -55,6 +80,7 @@ def main():
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--hlo", action="store_true", help="also write each decode executable's optimised HLO")
+    parser.add_argument("--timeline", action="store_true", help="also print one step's kernels in order")
     parser.add_argument("--reference", nargs="*", default=[], choices=KERNEL_FAMILIES,
                         help="op families to run as their jnp references instead of the GPU kernels")
     args = parser.parse_args()
@@ -72,12 +98,18 @@ def main():
         with tempfile.TemporaryDirectory() as trace_dir:
             with jax.profiler.trace(trace_dir):
                 engine.runner.run_decode(key, requests)
-            summary = summarise(gpu_kernels(trace_dir), args.steps, args.layers)
+            kernels = gpu_kernels(trace_dir)
+            summary = summarise(kernels, args.steps, args.layers)
+            summary["one_step"] = one_step(kernels, args.steps)
         result["batches"][batch] = summary
         print(f"batch {batch}: span {summary['span_us_per_step']:.0f} us/step, busy {summary['busy_us_per_step']:.0f}, "
               f"{summary['kernels_per_layer_step']:.1f} kernels per layer-step", flush=True)
         for row in summary["top"]:
             print(f"  {row['us_per_step']:8.1f} us  {row['calls_per_step']:6.1f}x  {row['kernel']}")
+        if args.timeline:
+            print("  one step: start, duration, gap since the kernel before (us)")
+            for row in summary["one_step"]:
+                print(f"  {row['start_us']:8.2f} {row['us']:7.2f} {row['gap_us']:6.2f}  {row['kernel']}")
         for r in requests:
             engine.scheduler.allocator.free(r.pages)
     print("wrote", write_json(f"profile_step_{args.model}{suffix}.json", result))

@@ -226,6 +226,9 @@ def test_norm_project_lowers(out_features, in_features, bias):
 
 
 _TRIGGER = "griddepcontrol.launch_dependents"
+# attn_out, residual, norm weight, router, gate, up, down (Qwen3-30B-A3B, one token)
+_MOE_BLOCK_SHAPES = [S((1, 2048), BF16), S((1, 2048), BF16), S((2048,), BF16), S((128, 2048), BF16),
+                     S((128, 768, 2048), BF16), S((128, 768, 2048), BF16), S((128, 2048, 768), BF16)]
 
 
 def _decode_step_kernels():
@@ -244,6 +247,7 @@ def _decode_step_kernels():
         "moe_down": moe,
         "decode_attention": attention,
         "decode_combine": attention,
+        "moe_block": (functools.partial(block_mgpu.moe_block, eps=1e-6), _MOE_BLOCK_SHAPES + [S((32,), I32)]),
     }
 
 
@@ -279,7 +283,6 @@ def test_interpreted_kernels_carry_no_trigger():
 def test_moe_block_kernel_lowers():
     """The one-token MoE block kernel through Mosaic GPU's lowering (layout inference, inline PTX
     operands) at the shapes it takes."""
-    shapes = [S((2048,), BF16), S((2048,), BF16), S((2048,), BF16), S((128, 2048), BF16), S((128, 768, 2048), BF16),
-              S((128, 768, 2048), BF16), S((128, 2048, 768), BF16), S((32,), I32)]
-    text = jax.jit(block_mgpu._build(1e-6)).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    shapes = [S((2048,), BF16)] * 2 + _MOE_BLOCK_SHAPES[2:] + [S((32,), I32)]  # the kernel takes flat rows
+    text = jax.jit(block_mgpu._build(1e-6, True)).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text

@@ -16,6 +16,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 from jaxinfer import load_model
+from jaxinfer.kernels import moe as moe_ops
 from jaxinfer.kernels.moe import block_mgpu, gated_activation, moe_mlp
 from jaxinfer.models.gpt_oss import FP4_VALUES, dequantize_mxfp4
 from jaxinfer.models.layers.moe import MoESpec, SparseMoE, route
@@ -180,11 +181,12 @@ def test_one_token_moe_block_is_the_norm_and_the_block():
     params = _MoEBlock(spec, whole=False).init(jax.random.PRNGKey(0), attn_out, residual)
     whole_params = _MoEBlock(spec, whole=True).init(jax.random.PRNGKey(0), attn_out, residual)
     assert jax.tree.map(jnp.shape, whole_params) == jax.tree.map(jnp.shape, params)  # one checkpoint layout
-    want = _MoEBlock(spec, whole=False).apply(params, attn_out, residual)
-    for flag in (None, jnp.int32(7)):
-        got = _MoEBlock(spec, whole=True).apply(params, attn_out, residual, flag)
-        for g, w in zip(got, want):
-            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    out, h = _MoEBlock(spec, whole=False).apply(params, attn_out, residual)
+    for flag in (None, moe_ops.flag_words(7)):
+        stream, next_flag = _MoEBlock(spec, whole=True).apply(params, attn_out, residual, flag)
+        np.testing.assert_array_equal(np.asarray(stream), np.asarray(h + out))  # the layer's output, as HF adds it
+        # No kernel used the flag: passed on unchanged.
+        assert next_flag is None if flag is None else np.array_equal(np.asarray(next_flag), np.asarray(flag))
 
 
 def test_which_moe_blocks_take_the_norm_with_them():
@@ -210,10 +212,18 @@ def test_moe_block_kernel_takes_only_its_shapes():
     assert not block_mgpu.fits(x, bf(64, 768, 2048), gate, down, router, **semantics)
     assert not block_mgpu.device_fits()  # no GPU here
     assert not block_mgpu.supports(x, gate, gate, down, router, **semantics)
-    norm = bf(2048)
+    norm, flag = bf(2048), block_mgpu.flag_words(1)
     with pytest.raises(ValueError, match="does not take attn_out float32"):
-        block_mgpu.moe_block(x.astype(jnp.float32), x, norm, router, gate, gate, down, 1, eps=1e-6)
+        block_mgpu.moe_block(x.astype(jnp.float32), x, norm, router, gate, gate, down, flag, eps=1e-6)
     with pytest.raises(ValueError, match="residual"):
-        block_mgpu.moe_block(x, bf(2, 2048), norm, router, gate, gate, down, 1, eps=1e-6)
+        block_mgpu.moe_block(x, bf(2, 2048), norm, router, gate, gate, down, flag, eps=1e-6)
     with pytest.raises(ValueError, match="needs a flag"):
         block_mgpu.moe_block(x, x, norm, router, gate, gate, down, None, eps=1e-6)
+    with pytest.raises(ValueError, match=r"32 int32 words \(block_mgpu.flag_words\(flag\)\), not int32\(\)"):
+        block_mgpu.moe_block(x, x, norm, router, gate, gate, down, jnp.int32(1), eps=1e-6)
+
+
+def test_moe_block_flag_words():
+    words = block_mgpu.flag_words(jnp.int32(41))
+    assert words.shape == (block_mgpu.FLAG_WORDS,) and words.dtype == jnp.int32
+    assert int(words[0]) == 41 and not np.asarray(words[1:]).any()

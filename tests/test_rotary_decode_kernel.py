@@ -54,15 +54,19 @@ def _run_both(args, options, **tuning):
     (8, 4, 64, 128, 32),   # large pages
 ])
 @pytest.mark.parametrize("options", ["plain", "qk_norm", "window", "softcap", "sinks"])
-# Split (merged by the combine kernel) or one pass; one block per program (no loop) or several.
-@pytest.mark.parametrize("block_tokens, num_splits", [(16, 2), (64, 1), (16, 16)])
-def test_matches_reference(heads, kv_heads, head_dim, page_size, rotary_dim, options, block_tokens, num_splits):
+# Split (merged by the combine kernel) or one pass; one block per program (no loop, its K/V read before
+# or after the rotation) or several.
+@pytest.mark.parametrize("block_tokens, num_splits, kv_reads_first", [(16, 2, False), (64, 1, False),
+                                                                      (16, 16, False), (16, 16, True)])
+def test_matches_reference(heads, kv_heads, head_dim, page_size, rotary_dim, options, block_tokens, num_splits,
+                           kv_reads_first):
     pages_per_seq = max(2, 256 // page_size)
     lengths = [0, 1, page_size + 3, pages_per_seq * page_size]  # a padding row, a first token, a full table
     args, norms = _case(lengths, heads, kv_heads, head_dim, page_size, pages_per_seq, rotary_dim, jnp.float32,
                         qk_norm=options == "qk_norm")
     attention = attention_options(options, heads, head_dim, page_size)  # "qk_norm": plain attention
-    want, got = _run_both(args, {**norms, **attention}, block_tokens=block_tokens, num_splits=num_splits)
+    want, got = _run_both(args, {**norms, **attention}, block_tokens=block_tokens, num_splits=num_splits,
+                          kv_reads_first=kv_reads_first)
     for name, w, g in zip(("out", "k_cache", "v_cache"), want, got):
         assert g.dtype == w.dtype and g.shape == w.shape, name
         assert np.isfinite(np.asarray(g)).all(), name

@@ -211,6 +211,14 @@ def sum_publish(kind: str, own, recv, dst, flag, nrecv: int):
     inline((PLAIN,) * 4, body)(own, recv, dst, flag)
 
 
+# ------------------------------------------------------------------------------ launch order
+def launch_dependents():
+    """Let the next kernel of the stream launch now (programmatic dependent launch): its CTAs are
+    placed once every CTA of this kernel has executed this or exited, and wait at their entry for
+    this kernel to finish (``jaxinfer.kernels.pdl``). Not a fence; changes no value."""
+    inline((), lambda: ptx("griddepcontrol.launch_dependents;"))()
+
+
 # ------------------------------------------------------------------------------ cluster sums
 def init_mbarriers(words, counts):
     """CTA-local mbarriers with the given arrival counts in ``words`` (int32, 2 per barrier)."""

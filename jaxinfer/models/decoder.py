@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jaxinfer.cache.layout import KVCacheSpec
 from jaxinfer.cache.metadata import AttentionMetadata
 from jaxinfer.config import ModelConfig
+from jaxinfer.kernels.moe import flag_words
 from jaxinfer.models.base import CausalLM
 from jaxinfer.models.layers.activations import get_activation
 from jaxinfer.models.layers.attention import PagedGQAttention
@@ -79,11 +80,11 @@ class DecoderLayer(nn.Module):
     spec: LayerSpec
     norm_float32_weight: bool
     param_dtype: jnp.dtype
-    layer_index: int = 0
-    num_layers: int = 1
 
     @nn.compact
-    def __call__(self, x, residual, cos, sin, kv_cache, md):
+    def __call__(self, x, residual, cos, sin, kv_cache, md, flag=None):
+        """-> (x, residual, kv_cache, flag). ``flag``: the flag words of a one-token MoE block kernel
+        (``jaxinfer.kernels.moe.flag_words``), handed from layer to layer."""
         c, spec, attn = self.config, self.spec, self.spec.attention
 
         def pre_norm(name, residual):  # applied by the projections after it, in one op with them
@@ -107,21 +108,21 @@ class DecoderLayer(nn.Module):
         if spec.moe is None:
             mlp = GatedMLP(c.intermediate_size, c.hidden_act, spec.mlp_bias, self.param_dtype, name=spec.mlp_name)
             out, residual = mlp(attn_out, pre_norm("post_attention_layernorm", residual))
-            return out, residual, kv_cache
+            return out, residual, kv_cache, flag
         moe = SparseMoE(spec.moe, c.hidden_act, self.param_dtype, name=spec.mlp_name)
         if SparseMoE.takes_whole_block(spec.moe, attn_out.shape[0]) and not self.norm_float32_weight:
-            # One token: the add, the norm and the block as one op (one kernel on the GPU where it fits),
-            # its hand-off words flagged per call and layer.
+            # One token: the add, the norm, the block and the residual add after it as one op (one
+            # kernel on the GPU where it fits), its hand-off words flagged per call and layer. Its
+            # output is the whole residual stream: the next layer adds nothing to it.
             weight = NormWeight(x.shape[-1], self.param_dtype, name="post_attention_layernorm")()
-            flag = None if md.step_id is None else md.step_id * self.num_layers + self.layer_index
-            out, residual = moe(attn_out, block=(residual, weight, c.rms_norm_eps, flag))
-            return out, residual, kv_cache
+            stream, flag = moe(attn_out, block=(residual, weight, c.rms_norm_eps, flag))
+            return stream, None, kv_cache, flag
         # Otherwise the router is a single projection, which stays XLA's after the add + norm kernel.
         # Folding the norm into the routing kernel, the gate + up kernel or the router's projection
         # kernel measured slower (docs/performance.md).
         h, residual = RMSNorm(c.rms_norm_eps, float32_weight=self.norm_float32_weight, param_dtype=self.param_dtype,
                               name="post_attention_layernorm")(attn_out, residual)
-        return moe(h), residual, kv_cache
+        return moe(h), residual, kv_cache, flag
 
 
 class DecoderModel(nn.Module):
@@ -139,10 +140,12 @@ class DecoderModel(nn.Module):
         rope = RotaryEmbedding(c.rope, c.head_dim, c.max_position_embeddings)
         cos, sin = rope.cos_sin(md.positions, md.seq_lens[md.token_seq_ids])
         new_caches, residual = [], None
+        # A one-token MoE block kernel's flag: unique to each layer of each call (the step id times
+        # the layer count, plus one per layer that used it).
+        flag = None if md.step_id is None else flag_words(md.step_id * len(self.spec.layers))
         for i, layer in enumerate(self.spec.layers):
-            x, residual, kv = DecoderLayer(c, layer, self.spec.norm_float32_weight, self.param_dtype, i,
-                                           len(self.spec.layers), name=f"layers_{i}")(x, residual, cos, sin,
-                                                                                      caches[i], md)
+            x, residual, kv, flag = DecoderLayer(c, layer, self.spec.norm_float32_weight, self.param_dtype,
+                                                 name=f"layers_{i}")(x, residual, cos, sin, caches[i], md, flag)
             new_caches.append(kv)
         final_norm = RMSNorm(c.rms_norm_eps, float32_weight=self.spec.norm_float32_weight,
                              param_dtype=self.param_dtype, name="norm")

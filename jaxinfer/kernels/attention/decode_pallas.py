@@ -106,6 +106,7 @@ class FreshToken(NamedTuple):
     rotary_dim: int
     num_slots: int
     q_dtype: str  # the rotated q's dtype (the reference's: q's, promoted with the q norm weight's)
+    reads_first: bool = False  # one block per program: issue the K/V reads before the rotation
 
 
 def _rotary_tables(cos_ref, sin_ref, head_dim: int, fresh: FreshToken):
@@ -183,20 +184,23 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, *rest, rows, scale, page_size,
             s = logit_softcap * jnp.tanh(s / logit_softcap)
         return s
 
-    q = _load_query(q_ref, rows)
-    if fresh is not None:  # before the K/V reads: 0.7 us faster than after them (H200, one sequence)
-        tables = _rotary_tables(cos_ref, sin_ref, head_dim, fresh)
-        q = _fresh_query(q, q_ref, tables, q_norm_ref, fresh)
-        k_new, v_new = _fresh_kv(k_new_ref, v_new_ref, tables, k_norm_ref, k_ref.dtype, fresh)
-    if blocks_per_split == 1:
+    def one_block_reads():
         # One block per program (short contexts, few sequences): no loop, so the page ids are read
         # alongside the length instead of after it, and the K/V reads wait on both at once, one
         # memory round trip sooner. A block past the length reads nothing (masked loads).
         cache_rows = block_rows(split)
         length = len_ref[0]
         token_visible = visible_tokens(split, length, (block_tokens,))
-        k = gather(k_ref, cache_rows, token_visible)
-        v = gather(v_ref, cache_rows, token_visible)
+        return length, gather(k_ref, cache_rows, token_visible), gather(v_ref, cache_rows, token_visible)
+
+    q = _load_query(q_ref, rows)
+    reads = one_block_reads() if blocks_per_split == 1 and fresh is not None and fresh.reads_first else None
+    if fresh is not None:  # before the K/V reads: 0.7 us faster than after them (H200, one sequence)
+        tables = _rotary_tables(cos_ref, sin_ref, head_dim, fresh)
+        q = _fresh_query(q, q_ref, tables, q_norm_ref, fresh)
+        k_new, v_new = _fresh_kv(k_new_ref, v_new_ref, tables, k_norm_ref, k_ref.dtype, fresh)
+    if blocks_per_split == 1:
+        length, k, v = reads or one_block_reads()
         visible = visible_tokens(split, length, (rows, block_tokens))
         s = jnp.where(visible, scores(q, k), _MASK)
         m = s.max(axis=-1)
@@ -329,6 +333,17 @@ def default_blocking(num_seqs: int, num_kv_heads: int, pages_per_seq: int, page_
     return block_tokens, min(num_blocks(block_tokens), wanted)
 
 
+def fused_decode_warps(blocks_per_split: int) -> int:
+    """Warps of a fused decode program: 8 where it holds one block (its K/V gather and the q/k
+    rotation spread over twice the threads), else 4. In the 24-layer Qwen3-30B-A3B step at one
+    sequence of 512 tokens (36 programs of one 64-token block), 8 warps took it 5.0% and 5.6% faster
+    than 4 in two runs, 16 warps 6.0%, 2 warps 3.8% slower (``scripts/decode_ab.py --variant
+    decode-warps-8``, ``benchmarks/results/2026-11-30-h200-r15/``). Alone (``gpu_check.py
+    --only-rotary-decode``, same folder) the kernel then took 3.76 us there, where 4 warps had taken
+    4.2 (``-r9/``)."""
+    return 8 if blocks_per_split == 1 else 4
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "logit_softcap", "interpret",
                                              "block_tokens", "num_splits", "num_warps", "num_stages"))
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale, sliding_window=None,
@@ -346,19 +361,24 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "norm_eps", "sliding_window", "logit_softcap", "interpret",
-                                             "block_tokens", "num_splits", "num_warps", "num_stages"),
+                                             "block_tokens", "num_splits", "num_warps", "num_stages",
+                                             "kv_reads_first"),
                    donate_argnums=(5, 6))
 def rotary_paged_decode_attention(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens, *,
                                   scale, q_norm=None, k_norm=None, norm_eps: float = 1e-6, sliding_window=None,
                                   logit_softcap=None, sinks=None, interpret=False, block_tokens=None,
-                                  num_splits=None, num_warps=4, num_stages=3):
+                                  num_splits=None, num_warps=None, num_stages=3, kv_reads_first=False):
     """``reference.rotary_paged_decode_attention`` (the q/k norm, RoPE, cache write and decode attention
     of one step) in one launch (plus the split merge): ``rotary_pallas``'s work is done by the
     attention programs themselves. q [S, heads, d], k/v [S, kv_heads, d], cos/sin [S, rotary_dim];
     the caches are updated in place -> (out, k_cache, v_cache). Power-of-two head counts and head
     dims (else the two kernels run one after the other). As at every decode step, ``slot_mapping[s]``
     must be the block table's slot for position ``seq_lens[s] - 1``: the kernel takes that position
-    from registers, not from the cache."""
+    from registers, not from the cache.
+
+    Tuning as ``paged_decode_attention``'s, except ``num_warps=None``: ``fused_decode_warps``.
+    ``kv_reads_first``: with one block per program, issue the K/V reads before the rotation (the
+    24-layer Qwen3-30B-A3B step at one sequence was even with the default, 0.9995)."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_cache.shape
     rotary_dim = cos.shape[-1]
@@ -374,7 +394,8 @@ def rotary_paged_decode_attention(q, k, v, cos, sin, k_cache, v_cache, slot_mapp
     has_norm = q_norm is not None
     fresh = FreshToken(has_norm=has_norm, eps=float(norm_eps), rotary_dim=rotary_dim,
                        num_slots=num_pages * page_size,
-                       q_dtype=jnp.dtype(jnp.result_type(q_norm, q) if has_norm else q.dtype).name)
+                       q_dtype=jnp.dtype(jnp.result_type(q_norm, q) if has_norm else q.dtype).name,
+                       reads_first=kv_reads_first)
     inputs = [slot_mapping.astype(jnp.int32)[:, None], k, v, cos.astype(jnp.float32), sin.astype(jnp.float32)]
     if has_norm:
         inputs += [q_norm, k_norm]
@@ -410,6 +431,8 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale, sliding_windo
     if q_group != group:
         q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, q_group - group), (0, 0)))
     final = num_splits == 1  # one pass writes the output; no partial results to merge
+    if num_warps is None:
+        num_warps = fused_decode_warps(blocks_per_split) if fresh is not None else 4
     kernel = functools.partial(_kernel, rows=rows, scale=scale, page_size=page_size, block_tokens=block_tokens,
                                blocks_per_split=blocks_per_split, sliding_window=sliding_window,
                                logit_softcap=logit_softcap, final=final, has_sinks=final and sinks is not None,

@@ -31,17 +31,20 @@ def _route_where_faster(logits, *, interpret: bool = False, **options):
 
 def _moe_block_where_it_fits(attn_out, residual, norm_weight, router_weight, gate, up, down, flag=None, *,
                              eps: float, top_k: int, norm_topk_prob: bool = True, interpret: bool = False):
-    """The one-kernel block (``block_mgpu``) where it takes the call and a flag is given; otherwise
-    the block's ops one after another (add + norm kernel, router projection, routing, experts), which
-    is also what interpret mode (CPU tests) runs: the kernel has no interpreter."""
+    """The one-kernel block (``block_mgpu``) where it takes the call and flag words are given;
+    otherwise the block's ops one after another (add + norm kernel, router projection, routing,
+    experts) and the flag passed on unchanged (no kernel used it), which is also what interpret mode
+    (CPU tests) runs: the kernel has no interpreter."""
     kernel_takes_it = block_mgpu.supports(attn_out, gate, up, down, router_weight, top_k=top_k, router="softmax_topk",
                                           norm_topk_prob=norm_topk_prob, activation="silu", has_biases=False)
     if kernel_takes_it and flag is not None and not interpret:
-        return block_mgpu.moe_block(attn_out, residual, norm_weight, router_weight, gate, up, down, flag, eps=eps)
+        stream, next_flag, _, _ = block_mgpu.moe_block(attn_out, residual, norm_weight, router_weight, gate, up,
+                                                        down, flag, eps=eps)
+        return stream, next_flag
     normed, h = norm_ops.add_rms_norm(attn_out, residual, norm_weight, eps)
     (logits,) = linear_ops.project(normed, [router_weight])
     weights, ids = route(logits, router="softmax_topk", top_k=top_k, norm_topk_prob=norm_topk_prob)
-    return moe_mlp(normed, ids, weights, gate, up, down, distinct_experts=True), h
+    return h + moe_mlp(normed, ids, weights, gate, up, down, distinct_experts=True), flag
 
 
 _dispatch = OpDispatcher(
@@ -65,11 +68,16 @@ def moe_mlp(x, expert_ids, expert_weights, gate, up, down, **options):
 
 def moe_block(attn_out, residual, norm_weight, router_weight, gate, up, down, flag=None, *, eps: float, top_k: int,
               norm_topk_prob: bool = True):
-    """-> (the MoE output, ``attn_out + residual``): a decoder layer's MoE block with softmax top-k
-    routing; see ``reference.moe_block``."""
+    """-> (the block's output ``h + MoE(RMSNorm(h))`` with ``h = attn_out + residual``, the flag words
+    for the next call): a decoder layer's MoE block with softmax top-k routing; see
+    ``reference.moe_block``. ``flag``: ``flag_words`` of an int32 unique to the call, or None (then
+    the GPU runs the block's ops)."""
     return _dispatch("moe_block")(attn_out, residual, norm_weight, router_weight, gate, up, down, flag, eps=eps,
                                   top_k=top_k, norm_topk_prob=norm_topk_prob)
 
 
-__all__ = ["ROUTERS", "gated_activation", "implementation_name", "moe_block", "moe_mlp", "route",
+flag_words = block_mgpu.flag_words
+
+
+__all__ = ["ROUTERS", "flag_words", "gated_activation", "implementation_name", "moe_block", "moe_mlp", "route",
            "set_implementation"]

@@ -31,9 +31,15 @@ k-tiles ``[8 r, 8 r + 8)`` of a 2048-wide row.
 
 Every CTA must be resident (the CTAs wait on each other): ``supports`` asks for a GPU of 132 SMs to
 itself. A wait gives up after about a second (``mgpu_inline.SPIN_LIMIT``), so a CTA that never ran
-(another process holding SMs) yields wrong values rather than a hung GPU. The flag (``flag``: an int32
-unique to the call among calls that may reuse its buffers; the decoder passes the step id times the
-layer count plus the layer) marks this call's words.
+(another process holding SMs) yields wrong values rather than a hung GPU. The flag (an int32 unique
+to the call among calls that may reuse its buffers, in word 0 of ``flag_words``) marks this call's
+words. A call also writes the next call's flag words (the flag plus one): the decoder makes the first
+layer's, the step id times the layer count, once per step, and hands each layer's on to the next,
+so no layer runs an op of its own to make its flag.
+
+**Outputs.** The block's output stream ``h + out`` (rounded as XLA rounds that add), which the next
+layer takes as its input with no residual apart, so no add runs between the layers; and its parts,
+the MoE output ``out`` and ``h = attn_out + residual``, for checks.
 
 Measured on the H200 (``benchmarks/results/2026-11-30-h200-r14/``): the probe this kernel was built
 from took 25.3 us a layer as a chain of 8 layers in one launch (traced; 30.6 for the engine's kernels
@@ -41,12 +47,15 @@ doing the same), with nothing measurable for the launch itself. As this op, 8 la
 launch each: 32.2 us a layer against 35.1 for the block's ops (``device_time``, 1.6 us a layer of it
 the timing loop's), outputs within bf16 rounding of the reference (``scripts/moe_check.py
 --only-block``). In the 24-layer one-sequence step: 2.7% and 3.9% faster in two runs
-(``scripts/decode_ab.py --variant moe-block-ops --layers 24``).
+(``scripts/decode_ab.py --variant moe-block-ops --layers 24``). Writing the output stream and the
+next flag took two small kernels a layer out of the step (``-r15/``); then 31.3 us a layer as a
+chain against 38.6 for the block's ops with their add.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +64,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxinfer.kernels import mgpu_inline as mi
+from jaxinfer.kernels import pdl
 
 HIDDEN, NUM_EXPERTS, TOP_K, INTERMEDIATE = 2048, 128, 8, 768
 NUM_SMS = 132
@@ -70,6 +80,7 @@ OUT_BLOCKS = HIDDEN // R  # 32
 DOWN_CLUSTERS = 2 * OUT_BLOCKS  # 64
 ACT_WORDS = INTERMEDIATE // 2  # a slot's activation words
 MB_ROUTER, MB_DOWN = MAX_ITEMS, MAX_ITEMS + 1  # mbarriers: gate/up items 0-2, router, down
+FLAG_WORDS = 32  # a call's flag in word 0 (one TMA copy)
 SLOTS = 9  # ring slots
 FLIGHT = 4  # tiles in flight a CTA (r14: 4 slightly faster than 6)
 
@@ -215,11 +226,11 @@ def _down_partial(raw, wts, out):
     mi.inline((mi.PLAIN,) * 3, body)(raw, wts, out)
 
 
-def _store_output(own, recv, h_smem, out_gmem, h_gmem):
+def _store_output(own, recv, h_smem, out_gmem, h_gmem, stream_gmem):
     """The even down cluster's rank 0: its 64 sums plus rank 1's and the odd cluster's (``recv``
     rows 0 and 1), rounded to bf16, to ``out_gmem``; the row block's residual (``h_smem``, bf16) to
-    ``h_gmem``."""
-    def body(ow, rc, hs, og, hg):
+    ``h_gmem``; their sum, rounded to bf16 as XLA rounds an add of the two, to ``stream_gmem``."""
+    def body(ow, rc, hs, og, hg, sg):
         mi.wg_barrier()  # own is stored
         mi.ptx(f"""{{
             .reg .u32 t, a, b;
@@ -239,21 +250,47 @@ def _store_output(own, recv, h_smem, out_gmem, h_gmem):
             mul.wide.u32 p, t, 2;
             add.u64 q, p, $3;
             st.global.b16 [q], h;
+            cvt.f32.bf16 x, h;
             mad.lo.u32 a, t, 2, $2;
             ld.shared.b16 h, [a];
             add.u64 q, p, $4;
             st.global.b16 [q], h;
+            cvt.f32.bf16 z, h;
+            add.rn.f32 x, x, z;
+            cvt.rn.bf16.f32 h, x;
+            add.u64 q, p, $5;
+            st.global.b16 [q], h;
         END${{:uid}}:
-        }}""", [mi.addr32(ow), mi.addr32(rc), mi.addr32(hs), mi.addr64(og), mi.addr64(hg)], "r,r,r,l,l")
+        }}""", [mi.addr32(ow), mi.addr32(rc), mi.addr32(hs), mi.addr64(og), mi.addr64(hg), mi.addr64(sg)],
+            "r,r,r,l,l,l")
         mi.wg_barrier()
-    mi.inline((mi.PLAIN,) * 5, body)(own, recv, h_smem, out_gmem, h_gmem)
+    mi.inline((mi.PLAIN,) * 6, body)(own, recv, h_smem, out_gmem, h_gmem, stream_gmem)
+
+
+def _next_flag(flag_smem, next_gmem):
+    """Word 0 of the next call's flag words: this call's flag (``flag_smem``, as passed) plus 1. One
+    thread stores it; the other words are not read."""
+    def body(fs, ng):
+        mi.ptx(f"""{{
+            .reg .u32 t, v;
+            .reg .pred z;
+            {mi.thread_index()}
+            setp.eq.u32 z, t, 0;
+            @!z bra END${{:uid}};
+            ld.shared.u32 v, [$0];
+            add.u32 v, v, 1;
+            st.global.u32 [$1], v;
+        END${{:uid}}:
+        }}""", [mi.addr32(fs), mi.addr64(ng)], "r,l")
+    mi.inline((mi.PLAIN,) * 2, body)(flag_smem, next_gmem)
 
 
 # ------------------------------------------------------------------------------------ kernel
-def _kernel(attn_ref, res_ref, norm_ref, router_ref, gate_ref, up_ref, down_ref, meta_ref,
-            out_ref, h_ref, logit_ll, act_ll, part_ll, scoped, *, eps: float):
+def _kernel(attn_ref, res_ref, norm_ref, router_ref, gate_ref, up_ref, down_ref, flag_ref,
+            out_ref, h_ref, stream_ref, next_flag_ref, logit_ll, act_ll, part_ll, scoped, *, eps: float,
+            trigger: bool):
     (ring, full, empty, routed, tiles_x, tiles_a, tiles_b, xvec, raw, part, gu_recv, r_recv, d_recv, lw, keys,
-     ids_s, wts_s, ints, mbar, scratch, meta_s, bars, cbar) = scoped
+     ids_s, wts_s, ints, mbar, scratch, flag_s, bars, cbar) = scoped
     c = lax.axis_index("sm")
     rank = lax.axis_index("cl")
     wg = lax.axis_index("wg")
@@ -263,6 +300,8 @@ def _kernel(attn_ref, res_ref, norm_ref, router_ref, gate_ref, up_ref, down_ref,
     quarter = 2 * lax.rem(c, 2) + rank  # which two slots of it
     n_items = (GU_ITEMS - c + NCL - 1) // NCL
     router_tiles = jnp.where(is_router, HK, 0)
+    if trigger:  # the next kernel's CTAs are placed while this one runs
+        mi.launch_dependents()
 
     @pl.when(wg == 1)
     def _producer():
@@ -322,9 +361,13 @@ def _kernel(attn_ref, res_ref, norm_ref, router_ref, gate_ref, up_ref, down_ref,
     @pl.when(wg == 0)
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
-        plgpu.copy_gmem_to_smem(meta_ref, meta_s, bars.at[0])
+        plgpu.copy_gmem_to_smem(flag_ref, flag_s, bars.at[0])
         plgpu.barrier_wait(bars.at[0])
-        ints[0] = mi.flag_with_high_bit(meta_s[0])
+        ints[0] = mi.flag_with_high_bit(flag_s[0])
+
+        @pl.when((c == 0) & (rank == 0))
+        def _():
+            _next_flag(flag_s, next_flag_ref)
         mi.init_mbarriers(mbar, (1,) * (MAX_ITEMS + 2))
         plgpu.barrier_arrive(cbar.at[0])  # the peer sends only once the barriers exist
         plgpu.barrier_wait(cbar.at[0])
@@ -405,16 +448,16 @@ def _kernel(attn_ref, res_ref, norm_ref, router_ref, gate_ref, up_ref, down_ref,
                 @pl.when(lax.rem(c, 2) == 0)
                 def _():
                     mi.ll_poll(part_ll.at[block], d_recv.at[1], flag, R, mi.PLAIN)
-                    _store_output(part, d_recv, xvec.at[pl.ds(block * R, R)], out_ref.at[pl.ds(block * R, R)],
-                                  h_ref.at[pl.ds(block * R, R)])
+                    rows = pl.ds(block * R, R)
+                    _store_output(part, d_recv, xvec.at[rows], out_ref.at[rows], h_ref.at[rows], stream_ref.at[rows])
             pair_sum(vec, MB_DOWN, d_recv, finish)
 
 
 @functools.lru_cache(maxsize=None)
-def _build(eps: float):
+def _build(eps: float, trigger: bool):
     def entry(*refs):
         pl.run_scoped(
-            lambda scoped: _kernel(*refs, scoped, eps=eps),
+            lambda scoped: _kernel(*refs, scoped, eps=eps, trigger=trigger),
             (plgpu.SMEM((SLOTS, R, KC), jnp.bfloat16, transforms=mi.TILED),  # ring
              plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS),  # full: two TMA boxes a tile
              plgpu.Barrier(num_arrivals=1, num_barriers=SLOTS),  # empty
@@ -435,7 +478,7 @@ def _build(eps: float):
              plgpu.SMEM((4,), jnp.int32),  # the flag
              plgpu.SMEM((2 * (MAX_ITEMS + 2),), jnp.int32),  # mbarriers
              plgpu.SMEM((4,), jnp.float32),  # per-warp sums
-             plgpu.SMEM((32,), jnp.int32),  # meta
+             plgpu.SMEM((FLAG_WORDS,), jnp.int32),  # the flag words
              plgpu.Barrier(num_barriers=1),
              plgpu.ClusterBarrier(collective_axes=("cl",), num_barriers=1)),
             collective_axes="wg",
@@ -444,7 +487,9 @@ def _build(eps: float):
     return plgpu.kernel(
         entry,
         out_type=(jax.ShapeDtypeStruct((HIDDEN,), jnp.bfloat16),  # the MoE output
-                  jax.ShapeDtypeStruct((HIDDEN,), jnp.bfloat16),  # the residual stream
+                  jax.ShapeDtypeStruct((HIDDEN,), jnp.bfloat16),  # h: attention output + residual
+                  jax.ShapeDtypeStruct((HIDDEN,), jnp.bfloat16),  # the block's output stream, h + MoE output
+                  jax.ShapeDtypeStruct((FLAG_WORDS,), jnp.int32),  # the next call's flag words
                   jax.ShapeDtypeStruct((NUM_EXPERTS // 2, 2), jnp.int32),  # logit words
                   jax.ShapeDtypeStruct((TOP_K * ACT_WORDS, 2), jnp.int32),  # activation words
                   jax.ShapeDtypeStruct((OUT_BLOCKS, R, 2), jnp.int32)),  # the odd clusters' down sums
@@ -458,10 +503,23 @@ def _build(eps: float):
     )
 
 
-def moe_block(attn_out, residual, norm_weight, router_weight, gate, up, down, flag, *, eps: float):
-    """-> (the MoE output [1, H], the residual stream attn_out + residual [1, H]), as
-    ``reference.moe_block`` with softmax top-8 routing and renormalised weights. ``flag``: an int32
-    scalar unique to the call (see the module docstring)."""
+class BlockOutputs(NamedTuple):
+    stream: jax.Array  # [1, H] the block's output: h + out (the next layer's input, no residual apart)
+    next_flag: jax.Array  # [FLAG_WORDS] int32, the next call's flag words
+    out: jax.Array  # [1, H] the MoE output
+    residual: jax.Array  # [1, H] h = attn_out + residual
+
+
+def flag_words(flag):
+    """An int32 flag -> the ``[FLAG_WORDS]`` int32 words a call takes (the flag in word 0)."""
+    return jnp.zeros((FLAG_WORDS,), jnp.int32).at[0].set(jnp.asarray(flag, jnp.int32))
+
+
+def moe_block(attn_out, residual, norm_weight, router_weight, gate, up, down, flag, *, eps: float) -> BlockOutputs:
+    """``reference.moe_block`` with softmax top-8 routing and renormalised weights, plus its parts.
+    ``flag``: ``flag_words`` of an int32 unique to the call (see the module docstring); the call
+    returns the next call's, the flag plus one, so that a chain of blocks (a step's layers) needs no
+    op of its own to make each one's."""
     semantics = dict(top_k=TOP_K, router="softmax_topk", norm_topk_prob=True, activation="silu", has_biases=False)
     if not fits(attn_out, gate, up, down, router_weight, **semantics) or residual.shape != attn_out.shape \
             or norm_weight.shape != (HIDDEN,):
@@ -473,7 +531,9 @@ def moe_block(attn_out, residual, norm_weight, router_weight, gate, up, down, fl
     if flag is None:
         raise ValueError("the one-token MoE block kernel needs a flag unique to the call (e.g. the step id times the "
                          "layer count plus the layer): its hand-off words would otherwise pass for a later call's")
-    meta = jnp.zeros((32,), jnp.int32).at[0].set(jnp.asarray(flag, jnp.int32))
-    out, h, *_ = _build(float(eps))(attn_out.reshape(HIDDEN), residual.reshape(HIDDEN), norm_weight, router_weight,
-                                    gate, up, down, meta)
-    return out.reshape(1, HIDDEN), h.reshape(1, HIDDEN)
+    if jnp.shape(flag) != (FLAG_WORDS,) or jnp.result_type(flag) != jnp.int32:
+        raise ValueError(f"the one-token MoE block kernel takes its flag as {FLAG_WORDS} int32 words "
+                         f"(block_mgpu.flag_words(flag)), not {jnp.result_type(flag)}{jnp.shape(flag)}")
+    out, h, stream, next_flag, *_ = _build(float(eps), pdl.triggers_at_start("moe_block"))(
+        attn_out.reshape(HIDDEN), residual.reshape(HIDDEN), norm_weight, router_weight, gate, up, down, flag)
+    return BlockOutputs(stream.reshape(1, HIDDEN), next_flag, out.reshape(1, HIDDEN), h.reshape(1, HIDDEN))

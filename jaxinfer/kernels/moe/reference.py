@@ -111,10 +111,9 @@ def moe_block(attn_out, residual, norm_weight, router_weight, gate, up, down, fl
               top_k: int, norm_topk_prob: bool = True):
     """A decoder layer's MoE block with softmax top-k routing and no biases: ``h = attn_out +
     residual``, its RMSNorm (``add_rms_norm``), the router projection (bf16 logits, as ``nn.Linear``),
-    ``route`` and ``moe_mlp``. -> (the MoE output, ``h``), each like ``attn_out``. ``flag`` is for
-    kernels (see ``block_mgpu``); the reference ignores it."""
-    del flag
+    ``route`` and ``moe_mlp``. -> (``h`` + the MoE output, like ``attn_out``: the layer's output as
+    HF adds it; ``flag``). ``flag`` is for kernels (see ``block_mgpu``): the reference passes it on."""
     normed, h = add_rms_norm(attn_out, residual, norm_weight, eps)
     (logits,) = project(normed, [router_weight])
     weights, ids = route(logits, router="softmax_topk", top_k=top_k, norm_topk_prob=norm_topk_prob)
-    return moe_mlp(normed, ids, weights, gate, up, down, distinct_experts=True), h
+    return h + moe_mlp(normed, ids, weights, gate, up, down, distinct_experts=True), flag

@@ -62,8 +62,9 @@ def route(logits, spec: MoESpec, correction_bias=None):
 
 class SparseMoE(nn.Module):
     """``moe(x)`` for the normalised rows ``x``; ``moe(attn_out, block=(residual, norm_weight, eps,
-    flag))`` for the whole block at one token (see ``takes_whole_block``): -> (the MoE output, the
-    residual stream ``attn_out + residual``)."""
+    flag))`` for the whole block at one token (see ``takes_whole_block``): -> (the block's output
+    ``h + MoE(RMSNorm(h))`` with ``h = attn_out + residual``, the next call's flag words;
+    ``jaxinfer.kernels.moe.moe_block``)."""
 
     spec: MoESpec
     hidden_act: str = "silu"
