@@ -3,25 +3,36 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import os
 import sys
 
 import numpy as np
 
 from jaxinfer.errors import JaxInferError
+from jaxinfer.tiny import TINY_FAMILIES
 
 
 def _engine_options(args) -> dict:
-    from jaxinfer.tiny import jaxinfer_home
-
-    cache_dir = None if args.no_compilation_cache else (
-        args.compilation_cache_dir or os.path.join(jaxinfer_home(), "xla-cache"))
     options = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-               "page_size": args.page_size, "strict": args.strict, "compilation_cache_dir": cache_dir}
+               "page_size": args.page_size, "strict": args.strict, "compilation_cache": not args.no_compilation_cache,
+               "compilation_cache_dir": args.compilation_cache_dir,
+               "allow_long_max_model_len": args.allow_long_max_model_len}
     if args.max_model_len:
         options["max_model_len"] = args.max_model_len
     return options
+
+
+# C0 and C1 control characters other than newline and tab: a terminal would act on them (escape
+# sequences can move the cursor, rewrite the title, ...), so generated text shows them escaped.
+_CONTROL = dict.fromkeys([*range(0x00, 0x09), *range(0x0B, 0x20), *range(0x7F, 0xA0)])
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters (except newline and tab) as ``\\xNN`` escapes."""
+    if not any(ord(ch) in _CONTROL for ch in text):
+        return text
+    return "".join(f"\\x{ord(ch):02x}" if ord(ch) in _CONTROL else ch for ch in text)
 
 
 def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,6 +45,8 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compilation-cache-dir", default=None,
                    help="persistent compilation cache (default: xla-cache under $JAXINFER_HOME or ~/.cache/jaxinfer)")
     p.add_argument("--no-compilation-cache", action="store_true", help="compile everything afresh")
+    p.add_argument("--allow-long-max-model-len", action="store_true",
+                   help="allow --max-model-len beyond the model's max_position_embeddings")
 
 
 def _model_path(args) -> str:
@@ -49,13 +62,16 @@ def _model_path(args) -> str:
 def cmd_generate(args) -> int:
     from jaxinfer import LLM, SamplingParams
 
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                            seed=args.seed, max_tokens=args.max_tokens, stop=args.stop or None,
-                            ignore_eos=args.ignore_eos)
+    # Sampling flags override the checkpoint's generation_config.json defaults; checked before loading.
+    given = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p}
+    given = {k: v for k, v in given.items() if v is not None}
+    given.update(seed=args.seed, max_tokens=args.max_tokens, stop=args.stop or None, ignore_eos=args.ignore_eos)
+    SamplingParams(**given)
+    prompt_ids = [_parse_ids(p) for p in args.prompt_ids]
     llm = LLM(_model_path(args), args.dtype, **_engine_options(args))
-    if args.prompt_ids:
-        ids = [[int(t) for t in p.split(",")] for p in args.prompt_ids]
-        outputs = llm.generate(sampling_params=params, prompt_token_ids=ids)
+    params = dataclasses.replace(llm.get_default_sampling_params(), **given)
+    if prompt_ids:
+        outputs = llm.generate(sampling_params=params, prompt_token_ids=prompt_ids)
     elif args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
     else:
@@ -65,29 +81,32 @@ def cmd_generate(args) -> int:
             print(json.dumps({"prompt": out.prompt, "text": out.text, "token_ids": out.token_ids,
                               "finish_reason": out.finish_reason}))
         else:
-            print(out.text if llm.tokenizer is not None else out.token_ids)
+            text = out.text if llm.tokenizer is not None else str(out.token_ids)
+            print(printable(text) if sys.stdout.isatty() else text)
     return 0
+
+
+def _parse_ids(text: str) -> list[int]:
+    from jaxinfer.errors import InvalidRequestError
+
+    try:
+        return [int(t) for t in text.split(",")]
+    except ValueError:
+        raise InvalidRequestError(f"--prompt-ids takes comma-separated integers, got {text!r}") from None
 
 
 def cmd_info(args) -> int:
     from jaxinfer.cache.layout import KVCacheLayout
-    from jaxinfer.config import ModelConfig
     from jaxinfer.engine.aot import BucketGrid
     from jaxinfer.engine.config import EngineConfig
-    from jaxinfer.loader import resolve_dtype
-    from jaxinfer.registry import ModelRegistry
+    from jaxinfer.loader import open_checkpoint, resolve_dtype
     from jaxinfer.tokenizer import has_tokenizer
-    from jaxinfer.weights import SafetensorsCheckpoint
 
     path = _model_path(args)
-    config = ModelConfig.from_pretrained(path)
-    model_cls = ModelRegistry.resolve(config.architecture)
-    model_cls.validate_config(config)
+    config, model_cls, checkpoint = open_checkpoint(path)
     dtype = resolve_dtype(args.dtype, config)
-    checkpoint = SafetensorsCheckpoint(path)
     num_params = sum(int(np.prod(checkpoint.shape(n))) for n in checkpoint.names())
-    engine = EngineConfig(**_engine_options(args))
-    engine.max_model_len = engine.max_model_len or min(config.max_position_embeddings, 8192)
+    engine = EngineConfig(**_engine_options(args)).for_model(config)
     specs = model_cls.kv_cache_specs(config)
     page_bytes = KVCacheLayout.bytes_per_page_for(specs, engine.page_size, dtype)
     grid = BucketGrid.from_config(engine)
@@ -128,10 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-ids", action="append", default=[], help="a token-id prompt, comma separated")
     g.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--temperature", type=float, default=None,
+                   help="0 is greedy (default: the checkpoint's generation_config.json, else 1.0)")
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--min-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
@@ -147,21 +167,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("make-tiny", help="write a tiny random checkpoint in HF format")
     t.add_argument("path")
-    t.add_argument("--family", default="llama", help="llama, mistral, qwen2, qwen3, qwen3_moe or minimax_m2")
+    t.add_argument("--family", default="llama", help=f"one of {', '.join(TINY_FAMILIES)}")
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(func=cmd_make_tiny)
     return parser
 
 
 def main(argv=None) -> int:
+    """Run a command; a user error (bad input, a missing or unreadable file) prints ``error: ...`` and
+    exits 2, an interrupt exits 130, both without a traceback."""
     args = build_parser().parse_args(argv)
     if args.command == "generate" and not (args.prompt or args.prompt_ids):
         args.prompt = ["Hello"]
     try:
         return args.func(args)
-    except JaxInferError as e:
+    except (JaxInferError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

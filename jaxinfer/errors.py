@@ -10,11 +10,13 @@ class UnsupportedArchitectureError(JaxInferError, ValueError):
 
 
 class ConfigError(JaxInferError, ValueError):
-    """config.json is missing a required value or holds one the model does not support."""
+    """config.json or generation_config.json is missing, malformed, or holds a value of the wrong type or
+    range (or one the checkpoint's tensors contradict); or an engine option is."""
 
 
 class CheckpointError(JaxInferError, ValueError):
-    """The checkpoint's tensors do not match what the model expects (missing, unexpected, mis-shaped)."""
+    """The checkpoint's files or tensors are unusable: missing, unexpected, mis-shaped, duplicated,
+    non-floating or non-finite tensors, malformed files, files outside the folder, pickles."""
 
 
 class InvalidRequestError(JaxInferError, ValueError):
@@ -22,7 +24,8 @@ class InvalidRequestError(JaxInferError, ValueError):
 
 
 class TokenizerUnavailableError(JaxInferError, RuntimeError):
-    """Text was given but the checkpoint folder holds no tokenizer files."""
+    """Text was given but there is no tokenizer, or the checkpoint's tokenizer cannot be loaded (malformed
+    files, or code shipped with the checkpoint that it would need)."""
 
 
 class CompilationAfterWarmupError(JaxInferError, RuntimeError):

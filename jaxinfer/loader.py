@@ -16,27 +16,48 @@ import numpy as np
 
 from jaxinfer.cache.layout import KVCacheLayout
 from jaxinfer.cache.metadata import AttentionMetadata
+from jaxinfer import checks
+from jaxinfer.checkpoint_folder import CheckpointFolder
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import ConfigError, InvalidRequestError
 from jaxinfer.registry import ModelRegistry
 from jaxinfer.sharding import make_mesh
-from jaxinfer.weights import load_params
+from jaxinfer.weights import SafetensorsCheckpoint, load_params
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 def resolve_dtype(dtype, config: ModelConfig):
-    """``"auto"`` is the checkpoint's own dtype (float32 when it does not say)."""
+    """The serving dtype: a name (``"bfloat16"``), a dtype, or ``"auto"``, the checkpoint's own dtype
+    (float32 when it does not say)."""
+    asked = dtype
     if dtype in (None, "auto"):
         dtype = config.dtype or "float32"
-    if isinstance(dtype, str):
-        if dtype not in _DTYPES:
-            raise ConfigError(f"dtype {dtype!r} is not supported; use one of auto, {', '.join(_DTYPES)}")
+    if not isinstance(dtype, str):
+        try:
+            dtype = np.dtype(dtype).name
+        except TypeError:
+            pass
+    if isinstance(dtype, str) and dtype in _DTYPES:
         return _DTYPES[dtype]
-    return jnp.dtype(dtype).type
+    said = f" (the checkpoint's dtype, asked for by {asked!r})" if asked in (None, "auto") else ""
+    raise ConfigError(f"dtype {dtype!r}{said} is not supported; use one of auto, {', '.join(_DTYPES)}")
 
 
 def validate_token_ids(token_ids, vocab_size: int, what: str = "prompt") -> list[int]:
+    """``token_ids`` as a list of ints: a sequence (or 1-D integer array) of Python or numpy integers
+    in ``[0, vocab_size)``. Floats, bools and strings are refused, not coerced."""
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.ndim != 1 or not np.issubdtype(token_ids.dtype, np.integer):
+            raise InvalidRequestError(f"the {what} must be a 1-D array of integers, got {token_ids.dtype} "
+                                      f"of shape {token_ids.shape}")
+        token_ids = token_ids.tolist()
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, (list, tuple)):
+        raise InvalidRequestError(f"the {what} must be a list of token ids, got {type(token_ids).__name__}")
+    wrong = [t for t in token_ids if not checks.is_integer(t)]
+    if wrong:
+        raise InvalidRequestError(f"the {what} must hold integer token ids; it holds {wrong[:4]!r} "
+                                  f"({', '.join(sorted({type(t).__name__ for t in wrong}))})")
     ids = [int(t) for t in token_ids]
     if not ids:
         raise InvalidRequestError(f"the {what} is empty: give at least one token")
@@ -90,12 +111,23 @@ class LoadedModel:
         return np.asarray(self._full_forward(self.params, jnp.asarray(ids, jnp.int32)))
 
 
+def open_checkpoint(path: str | os.PathLike):
+    """Read and check everything about a checkpoint folder that needs no device: its config (through
+    transformers' class), the implementation, the tensor headers against the config. Returns
+    ``(config, model_cls, checkpoint)``; raises before any array exists."""
+    folder = CheckpointFolder(path)
+    config = ModelConfig.from_pretrained(folder)
+    model_cls = ModelRegistry.resolve(config.architecture)
+    checkpoint = SafetensorsCheckpoint(folder)
+    model_cls.check_checkpoint_layout(config, checkpoint)
+    model_cls.validate_config(config)
+    return config, model_cls, checkpoint
+
+
 def load_model(path: str | os.PathLike, dtype="float32", *, mesh=None, progress: bool = False) -> LoadedModel:
     path = os.fspath(path)
-    config = ModelConfig.from_pretrained(path)
-    model_cls = ModelRegistry.resolve(config.architecture)
-    model_cls.validate_config(config)
+    config, model_cls, checkpoint = open_checkpoint(path)
     dtype = resolve_dtype(dtype, config)
     mesh = mesh if mesh is not None else make_mesh()
-    params = load_params(path, model_cls, config, dtype, mesh, progress=progress)
+    params = load_params(checkpoint, model_cls, config, dtype, mesh, progress=progress)
     return LoadedModel(path, config, model_cls, model_cls(config, dtype), params, mesh, dtype)

@@ -7,6 +7,7 @@ template. The default CLI run uses one; so can tests and notebooks. Its text out
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -14,6 +15,7 @@ import numpy as np
 from flax import traverse_util
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.errors import ConfigError
 from jaxinfer.registry import ModelRegistry
 
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>")  # ids 0, 1, 2; bytes follow
@@ -43,13 +45,15 @@ TINY_FAMILIES: dict[str, dict] = {
                       mlp_only_layers=[], use_sliding_window=False, sliding_window=None),
     "minimax_m2": dict(architectures=["MiniMaxM2ForCausalLM"], model_type="minimax_m2", num_local_experts=8,
                        num_experts_per_tok=2, rotary_dim=8),
+    "gpt_oss": dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", num_local_experts=8,
+                    num_experts_per_tok=2, sliding_window=16, layer_types=["sliding_attention", "full_attention"]),
 }
 
 
 def tiny_config(family: str = "llama", **overrides) -> dict:
     if family not in TINY_FAMILIES:
-        raise ValueError(f"unknown tiny family {family!r}; choose from {', '.join(TINY_FAMILIES)}")
-    return {**_COMMON, **TINY_FAMILIES[family], **overrides}
+        raise ConfigError(f"unknown tiny family {family!r}; choose from {', '.join(TINY_FAMILIES)}")
+    return copy.deepcopy({**_COMMON, **TINY_FAMILIES[family], **overrides})
 
 
 def _write_tokenizer(path: str) -> None:
@@ -69,23 +73,6 @@ def _write_tokenizer(path: str) -> None:
     fast.save_pretrained(path)
 
 
-def _checkpoint_tensors(model_cls, config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
-    """Parameters under the checkpoint names the model's loader reads them from."""
-    from jaxinfer.weights import Stacked, Tensor
-
-    sources = model_cls.checkpoint_sources(config, params, set())
-    tensors = {}
-    for path, value in params.items():
-        value, source = np.asarray(value, np.float32), sources[path]
-        if isinstance(source, Tensor):
-            tensors[source.names[0]] = value
-        elif isinstance(source, Stacked):
-            tensors.update({name: value[i] for i, name in enumerate(source.names)})
-        else:
-            raise ValueError(f"cannot write {config.architecture} tiny checkpoints: {path} is derived on load")
-    return tensors
-
-
 def write_tiny_checkpoint(path: str | os.PathLike, family: str = "llama", *, seed: int = 0,
                           with_tokenizer: bool = True, **config_overrides) -> str:
     from safetensors.numpy import save_file
@@ -98,7 +85,9 @@ def write_tiny_checkpoint(path: str | os.PathLike, family: str = "llama", *, see
     config = ModelConfig.from_dict(raw)
     model_cls = ModelRegistry.resolve(config.architecture)
     params = traverse_util.flatten_dict(init_params(model_cls, config, seed))
-    tensors = _checkpoint_tensors(model_cls, config, params)
+    tensors = model_cls.checkpoint_tensors(config, {k: np.asarray(v, np.float32) for k, v in params.items()})
+    # safetensors writes an array's memory as it lies: re-laid-out (transposed) tensors must be made contiguous.
+    tensors = {name: np.ascontiguousarray(value) for name, value in tensors.items()}
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(raw, f, indent=2)

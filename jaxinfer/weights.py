@@ -2,14 +2,15 @@
 
 Tensors are read one at a time through safetensors' memory map and each device receives only its
 own slice (``jax.make_array_from_callback``), so the checkpoint is never held twice in host memory.
-Before anything is read, the checkpoint's names and shapes are checked against the model's: missing,
-unexpected and mis-shaped tensors are all reported together, by name.
+Only safetensors files are read (never a pickle), each one confined to the checkpoint folder
+(``jaxinfer.checkpoint_folder``). Before anything is read, the checkpoint's names, shapes and dtypes
+(from the files' headers) are checked against the model's: missing, unexpected, duplicated,
+mis-shaped and non-floating tensors are all reported together, by name. After loading, one
+reduction per tensor on the device refuses NaN / Inf weights.
 """
 
 from __future__ import annotations
 
-import glob
-import json
 import os
 import re
 
@@ -21,43 +22,95 @@ from safetensors import safe_open
 
 from jaxinfer.cache.layout import KVCacheLayout
 from jaxinfer.cache.metadata import AttentionMetadata
+from jaxinfer.checkpoint_folder import CheckpointFolder
 from jaxinfer.config import ModelConfig
-from jaxinfer.errors import CheckpointError
+from jaxinfer.errors import CheckpointError, ConfigError
 from jaxinfer.sharding import param_sharding
 
 INDEX_FILE = "model.safetensors.index.json"
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors dtype names a float weight may be stored in
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def _describe(items: list[str], limit: int = 12) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f" ... and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def _weight_map(folder: CheckpointFolder) -> dict[str, str] | None:
+    """The index's {tensor: file}, checked to be a mapping of names to safetensors file names."""
+    index = folder.read_json(INDEX_FILE, CheckpointError)
+    if index is None:
+        return None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{INDEX_FILE} in {folder.path!r} has no 'weight_map' object of tensor -> file")
+    bad = [f"{k!r}: {v!r}" for k, v in weight_map.items()
+           if not isinstance(v, str) or not v.endswith(".safetensors")]
+    if bad:
+        raise CheckpointError(f"{INDEX_FILE} in {folder.path!r} maps tensors to entries that are not "
+                              f"safetensors file names: {_describe(bad)}")
+    return weight_map
 
 
 class SafetensorsCheckpoint:
     """The tensors of a checkpoint folder: one ``*.safetensors`` file, several, or an index."""
 
-    def __init__(self, path: str | os.PathLike):
-        self.path = os.fspath(path)
-        index = os.path.join(self.path, INDEX_FILE)
-        if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            files = sorted(set(weight_map.values()))
-        else:
-            files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(self.path, "*.safetensors")))
-            weight_map = None
+    def __init__(self, path: str | os.PathLike | CheckpointFolder):
+        folder = path if isinstance(path, CheckpointFolder) else CheckpointFolder(path)
+        self.path = folder.path
+        weight_map = _weight_map(folder)
+        files = sorted(set(weight_map.values())) if weight_map else \
+            [n for n in folder.names() if n.endswith(".safetensors")]
         if not files:
+            pickles = [n for n in folder.names() if n.endswith(PICKLE_SUFFIXES) or n.endswith(".bin.index.json")]
+            if pickles:
+                raise CheckpointError(
+                    f"{self.path!r} holds PyTorch pickle weights ({_describe(pickles)}) and no *.safetensors "
+                    "files; jaxinfer never unpickles (loading a pickle can run code): convert the checkpoint "
+                    "to safetensors"
+                )
             raise CheckpointError(f"no *.safetensors files in {self.path!r}")
         self._handles = {}
         for name in files:
-            file_path = os.path.join(self.path, name)
-            if not os.path.isfile(file_path):
+            real = folder.resolve(name, what="weight file")
+            if real is None:
                 raise CheckpointError(f"{INDEX_FILE} lists {name!r}, which is not in {self.path!r}")
-            self._handles[name] = safe_open(file_path, framework="numpy")
-        if weight_map is None:
-            weight_map = {key: name for name, handle in self._handles.items() for key in handle.keys()}
-        self._file_of = weight_map
+            try:
+                self._handles[name] = safe_open(real, framework="numpy")
+            except Exception as e:  # safetensors' own header validation
+                raise CheckpointError(f"{os.path.join(self.path, name)} is not a valid safetensors file: {e}") from e
+        self._file_of = self._locate(weight_map)
+
+    def _locate(self, weight_map: dict[str, str] | None) -> dict[str, str]:
+        """{tensor: file}; ``CheckpointError`` for a tensor stored twice or an index the files contradict."""
+        found: dict[str, list[str]] = {}
+        for file, handle in self._handles.items():
+            for key in handle.keys():
+                found.setdefault(key, []).append(file)
+        twice = sorted(f"{k} (in {', '.join(v)})" for k, v in found.items() if len(v) > 1)
+        if twice:
+            raise CheckpointError(f"checkpoint {self.path!r} stores tensors more than once: {_describe(twice)}")
+        file_of = {k: v[0] for k, v in found.items()}
+        if weight_map is not None:
+            wrong = sorted(f"{k} (index: {f}, stored in: {file_of.get(k, 'no file')})"
+                           for k, f in weight_map.items() if file_of.get(k) != f)
+            unlisted = sorted(set(file_of) - set(weight_map))
+            if wrong or unlisted:
+                problems = ([f"tensors not where the index says: {_describe(wrong)}"] if wrong else []) + \
+                           ([f"tensors the index does not list: {_describe(unlisted)}"] if unlisted else [])
+                raise CheckpointError(f"{INDEX_FILE} in {self.path!r} disagrees with its files: " + "; ".join(problems))
+        return file_of
 
     def names(self) -> list[str]:
         return sorted(self._file_of)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handles[self._file_of[name]].get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> str:
+        """The stored dtype's safetensors name (``F32``, ``BF16``, ``I64``, ``U8``, ...)."""
+        return self._handles[self._file_of[name]].get_slice(name).get_dtype()
 
     def read(self, name: str, index=None) -> np.ndarray:
         """The tensor (or the slice ``index`` of it) as a numpy array in its stored dtype."""
@@ -93,6 +146,8 @@ def init_params(model_cls, config: ModelConfig, seed: int = 0, dtype=jnp.float32
 class Tensor:
     """A parameter stored as one checkpoint tensor, as is."""
 
+    dtypes = FLOAT_DTYPES  # the stored dtypes it may be read from
+
     def __init__(self, name: str):
         self.names = (name,)
 
@@ -105,6 +160,8 @@ class Tensor:
 
 class Stacked:
     """A parameter whose leading axis gathers one checkpoint tensor each (per-expert MoE weights)."""
+
+    dtypes = FLOAT_DTYPES
 
     def __init__(self, names: list[str]):
         self.names = tuple(names)
@@ -124,11 +181,12 @@ class Stacked:
 class Derived:
     """A parameter computed from whole checkpoint tensors (a re-layout or a dequantisation).
 
-    ``fn(*arrays)`` returns the parameter; ``shape_fn(*shapes)`` its shape without reading data.
+    ``fn(*arrays)`` returns the parameter; ``shape_fn(*shapes)`` its shape without reading data;
+    ``dtypes`` the stored dtypes the inputs may have (floats, unless the source dequantises).
     """
 
-    def __init__(self, names: list[str], fn, shape_fn):
-        self.names, self.fn, self.shape_fn = tuple(names), fn, shape_fn
+    def __init__(self, names: list[str], fn, shape_fn, dtypes: tuple[str, ...] = FLOAT_DTYPES):
+        self.names, self.fn, self.shape_fn, self.dtypes = tuple(names), fn, shape_fn, dtypes
 
     def shape(self, checkpoint: SafetensorsCheckpoint) -> tuple[int, ...]:
         return tuple(self.shape_fn(*(checkpoint.shape(n) for n in self.names)))
@@ -138,9 +196,28 @@ class Derived:
         return value if index is None else value[index]
 
 
-def _describe(items: list[str], limit: int = 12) -> str:
-    shown = ", ".join(items[:limit])
-    return shown + (f" ... and {len(items) - limit} more" if len(items) > limit else "")
+_LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def check_layout(checkpoint: SafetensorsCheckpoint, config: ModelConfig) -> None:
+    """Config sizes against the checkpoint's tensor names and header shapes, read in milliseconds
+    before the model is traced: the layer indices and the embedding matrix. ``ConfigError`` naming
+    the field."""
+    names = checkpoint.names()
+    layers = sorted({int(m.group(1)) for m in map(_LAYER_NAME.search, names) if m})
+    n = config.num_hidden_layers
+    if layers and layers != list(range(n)):
+        held = f"{len(layers)} layers, {layers[0]}..{layers[-1]}" if layers == list(range(len(layers))) else \
+            f"layers {_describe([str(i) for i in layers])}"
+        raise ConfigError(f"num_hidden_layers is {n}, but the checkpoint's tensors hold {held}")
+    embeddings = [name for name in names if name.endswith("embed_tokens.weight")]
+    if len(embeddings) == 1:
+        shape = checkpoint.shape(embeddings[0])
+        for axis, field in enumerate(("vocab_size", "hidden_size")):
+            want = getattr(config, field)
+            if len(shape) != 2 or shape[axis] != want:
+                raise ConfigError(f"{field} is {want}, but the checkpoint's {embeddings[0]} has shape {list(shape)} "
+                                  "([vocab_size, hidden_size])")
 
 
 def check_checkpoint(checkpoint: SafetensorsCheckpoint, model_cls, config: ModelConfig, expected) -> dict:
@@ -149,12 +226,15 @@ def check_checkpoint(checkpoint: SafetensorsCheckpoint, model_cls, config: Model
     ignored = [re.compile(p) for p in model_cls.ignored_checkpoint_keys_for(config)]
     available = set(checkpoint.names())
     sources = model_cls.checkpoint_sources(config, expected, available)
-    missing, misshaped = [], []
+    missing, misshaped, wrong_dtype = [], [], []
     for path, source in sources.items():
         absent = [n for n in source.names if n not in available]
         if absent:
             missing.extend(absent)
             continue
+        if jnp.issubdtype(expected[path].dtype, jnp.floating):
+            wrong_dtype.extend(f"{n} ({checkpoint.dtype(n)}; expected one of {', '.join(source.dtypes)})"
+                               for n in source.names if checkpoint.dtype(n) not in source.dtypes)
         shape, want = tuple(source.shape(checkpoint)), tuple(expected[path].shape)
         if shape != want:
             what = source.names[0] if len(source.names) == 1 else f"{source.names[0]} (+{len(source.names) - 1} more)"
@@ -168,6 +248,8 @@ def check_checkpoint(checkpoint: SafetensorsCheckpoint, model_cls, config: Model
         problems.append(f"unexpected tensors: {_describe(unexpected)}")
     if misshaped:
         problems.append(f"mis-shaped tensors: {_describe(misshaped)}")
+    if wrong_dtype:
+        problems.append(f"tensors of a dtype the model cannot load as weights: {_describe(sorted(wrong_dtype))}")
     if problems:
         raise CheckpointError(
             f"checkpoint {checkpoint.path!r} does not match {config.architecture} as configured by its "
@@ -176,9 +258,24 @@ def check_checkpoint(checkpoint: SafetensorsCheckpoint, model_cls, config: Model
     return sources
 
 
-def load_params(path, model_cls, config: ModelConfig, dtype, mesh, *, progress: bool = False):
-    """Check, then stream every tensor into a device array with its ``NamedSharding``."""
-    checkpoint = SafetensorsCheckpoint(path)
+_all_finite = jax.jit(lambda arrays: [jnp.all(jnp.isfinite(a)) for a in arrays])
+
+
+def check_finite(params, sources: dict) -> None:
+    """``CheckpointError`` naming every loaded tensor that holds NaN or Inf (after the cast to its
+    serving dtype): one reduction per parameter on the device, one result fetched."""
+    flat = traverse_util.flatten_dict(params)
+    finite = jax.device_get(_all_finite(list(flat.values())))
+    bad = [", ".join(sources[path].names) + f" ({flat[path].dtype})"
+           for path, ok in zip(flat, finite) if not ok]
+    if bad:
+        raise CheckpointError(f"tensors hold NaN or Inf values (as loaded): {_describe(sorted(bad))}")
+
+
+def load_params(checkpoint: SafetensorsCheckpoint, model_cls, config: ModelConfig, dtype, mesh, *,
+                progress: bool = False):
+    """Check, then stream every tensor into a device array with its ``NamedSharding``; then refuse
+    non-finite weights."""
     expected = expected_params(model_cls, config, dtype)
     sources = check_checkpoint(checkpoint, model_cls, config, expected)
     items = list(expected.items())
@@ -196,4 +293,6 @@ def load_params(path, model_cls, config: ModelConfig, dtype, mesh, *, progress: 
             struct.shape, sharding,
             lambda index, source=source, dtype=np.dtype(struct.dtype): source.read(checkpoint, index).astype(dtype),
         )
-    return traverse_util.unflatten_dict(flat)
+    params = traverse_util.unflatten_dict(flat)
+    check_finite(params, sources)
+    return params

@@ -100,7 +100,7 @@ def build_engine(model_name: str, layers: int, *, steps: int, max_len: int, max_
     params = init_params(model_cls, config, seed=0, dtype=jnp.bfloat16)
     model = LoadedModel("<random>", config, model_cls, model_cls(config, jnp.bfloat16), params, make_mesh(), jnp.bfloat16)
     engine_config = EngineConfig(max_model_len=max_len, max_num_seqs=max_seqs, max_num_batched_tokens=batched_tokens,
-                                 decode_steps=steps, warmup=False, show_progress=False, max_logprobs=0,
+                                 decode_steps=steps, warmup=False, show_progress=False, max_logprobs=None,
                                  num_pages=num_pages)
     return config, params, Engine(model, engine_config)
 

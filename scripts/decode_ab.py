@@ -38,7 +38,7 @@ steps trace, and so pick their ops, then). The variants:
   all-greedy loop (``ModelRunner._decode_loop``).
 - ``greedy-sampler``: every sampler a bare argmax, without its ``cond``s (it ignores temperature and
   the filters; main's all-greedy loop already samples greedy batches this way).
-- ``logprobs``: the engine built with ``max_logprobs=5`` (its default) instead of 0, no request asking.
+- ``logprobs``: the engine built with ``max_logprobs=5`` (its default) instead of None, no request asking.
 - ``trigger-FAMILY=POINT[,FAMILY=POINT...]``: the Pallas kernels of those families let the next kernel
   launch at another point (``jaxinfer.kernels.pdl``: ``start``, or ``none``: as the last program
   exits); ``trigger-all=none`` for every family.
@@ -122,7 +122,7 @@ def compiler_options(name: str) -> dict:
     return options
 
 
-def _greedy_sample(logits, batch, num_logprobs=0, all_greedy=False):
+def _greedy_sample(logits, batch, num_logprobs=None, all_greedy=False):
     import jax.numpy as jnp
 
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
@@ -142,7 +142,7 @@ def variant_context(name: str):
     if name == "one-sampler-loop":
         from jaxinfer.engine import runner, sampling
 
-        def full_sampler(logits, batch, num_logprobs=0, all_greedy=False):
+        def full_sampler(logits, batch, num_logprobs=None, all_greedy=False):
             return sampling.sample(logits, batch, num_logprobs)
 
         return _patched(runner, "sample", full_sampler)

@@ -13,6 +13,22 @@ TINY = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_lay
             num_key_value_heads=2, max_position_embeddings=128)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def jaxinfer_home(tmp_path_factory):
+    """The engine's files (the persistent compilation cache, the CLI's tiny checkpoint) go to a folder
+    of this test session, not the user's ~/.cache."""
+    import os
+
+    path = str(tmp_path_factory.mktemp("jaxinfer-home"))
+    previous = os.environ.get("JAXINFER_HOME")
+    os.environ["JAXINFER_HOME"] = path
+    yield path
+    if previous is None:
+        os.environ.pop("JAXINFER_HOME", None)
+    else:
+        os.environ["JAXINFER_HOME"] = previous
+
+
 def make_hf_checkpoint(path, family: str, seed: int = 0, **overrides):
     """Build a random HF model of ``family`` with torch, save it, return (path, model)."""
     import torch

@@ -129,7 +129,7 @@ def test_logprobs_are_log_softmax():
     assert not np.asarray(sampled).any() and not np.asarray(top_values).any()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "minimax_m2"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "minimax_m2", "gpt_oss"])
 def test_tiny_checkpoint_loads_in_transformers(tmp_path, family):
     import torch
     from transformers import AutoModelForCausalLM
@@ -157,4 +157,18 @@ def test_cli_generate_and_info(tmp_path, monkeypatch, capsys):
     info = capsys.readouterr().out
     assert "LlamaForCausalLM" in info and "compile buckets:" in info and "decode(tokens=1, seqs=1, pages=1)" in info
     assert main(["generate", "--model", str(tmp_path / "nowhere")]) == 2
-    assert "no config.json" in capsys.readouterr().err
+    assert "is not a folder" in capsys.readouterr().err
+
+
+def test_reading_a_config_leaves_the_callers_dict_alone():
+    """transformers' config classes edit nested dicts (rope_parameters) in place; ours reads a copy,
+    so one config read cannot leak into the next."""
+    import copy
+
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.tiny import tiny_config
+
+    raw = tiny_config("minimax_m2")
+    before = copy.deepcopy(raw)
+    assert ModelConfig.from_dict(raw).rope.partial_rotary_factor == 0.5
+    assert raw == before and "partial_rotary_factor" not in tiny_config("gpt_oss")["rope_parameters"]

@@ -95,7 +95,7 @@ def test_all_greedy_batches_take_the_greedy_loop(hf_checkpoint, strict_llm, monk
     from jaxinfer.engine import runner as runner_module
     from jaxinfer.engine import sampling
 
-    def marking_sampler(logits, batch, num_logprobs=0, all_greedy=False):
+    def marking_sampler(logits, batch, num_logprobs=None, all_greedy=False):
         tokens, logprobs = sampling.sample(logits, batch, num_logprobs, all_greedy)
         return (jnp.full_like(tokens, 7) if all_greedy else tokens), logprobs
 
@@ -198,6 +198,53 @@ def test_text_prompts_stop_strings_and_chat(tiny_llama_dir):
     expected_prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
                                                         tokenize=True, return_dict=False)
     assert chat.prompt_token_ids == list(expected_prompt)
+
+
+def test_stop_strings_are_searched_in_the_new_text_only(tiny_llama_dir, monkeypatch):
+    """Each new token decodes a short window, not the whole output: a request's stop checks cost
+    O(its length). The one decode of the whole output is the final text's."""
+    llm = LLM(tiny_llama_dir, warmup=False, **SMALL)
+    lengths = []
+    decode = llm.tokenizer.decode
+
+    def recording(ids, **kwargs):
+        lengths.append(len(ids))
+        return decode(ids, **kwargs)
+
+    monkeypatch.setattr(llm.tokenizer, "decode", recording)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=["never in random text \x00"])
+    out = llm.generate("Hello", params)[0]
+    assert len(out.token_ids) == 40 and out.finish_reason == "length"
+    assert lengths.count(40) == 1 and sorted(lengths)[-2] <= 8
+    assert out.text == decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_incremental_detokenizer_waits_for_whole_characters_and_finds_straddling_stops(tiny_llama_dir):
+    from jaxinfer.engine.detokenizer import IncrementalDetokenizer
+    from jaxinfer.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_llama_dir)  # byte level: "é" is two tokens
+    ids = tokenizer.encode("aé stop here", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, True, ["op h"])
+    texts, stopped = [], False
+    for n in range(1, len(ids) + 1):
+        stopped = detok.add(ids[:n])
+        texts.append(detok.text)
+        if stopped:
+            break
+    assert texts[:3] == ["a", "a", "aé"]  # nothing emitted for half a character
+    assert stopped and detok.text == "aé st"
+
+
+def test_a_second_llm_reads_the_compilation_cache(hf_checkpoint):
+    """LLM uses the persistent compilation cache by default, so a second LLM(...) of the same model
+    and options in a process (a notebook's second cell) compiles nothing."""
+    path, _ = hf_checkpoint("llama")
+    options = {**SMALL, "max_model_len": 16, "max_num_seqs": 1, "max_num_batched_tokens": 16}
+    LLM(path, **options)
+    with CompileGuard.get().counting() as compiles:
+        LLM(path, **options)
+    assert compiles() == 0
 
 
 def test_persistent_compilation_cache(tmp_path, hf_checkpoint):

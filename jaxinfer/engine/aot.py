@@ -56,7 +56,8 @@ class BucketGrid:
         return mixed + decode
 
 
-_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # also reported for a persistent-cache read
+_CACHE_READ_EVENT = "/jax/compilation_cache/cache_retrieval_time_sec"
 
 
 class CompileGuard:
@@ -65,7 +66,8 @@ class CompileGuard:
     _installed: "CompileGuard | None" = None
 
     def __init__(self):
-        self.compiles_while_armed = 0
+        self.compiles_while_armed = 0  # XLA compilations, persistent-cache reads included
+        self.cache_reads_while_armed = 0
         self._armed = 0
 
     @classmethod
@@ -78,10 +80,24 @@ class CompileGuard:
     def _on_event(self, event: str, duration: float, **kwargs) -> None:
         if self._armed and event == _COMPILE_EVENT:
             self.compiles_while_armed += 1
+        elif self._armed and event == _CACHE_READ_EVENT:
+            self.cache_reads_while_armed += 1
+
+    @contextlib.contextmanager
+    def counting(self):
+        """Yields a function that returns how many programs XLA compiled inside the block, not
+        counting those read from the persistent compilation cache."""
+        start = self.compiles_while_armed - self.cache_reads_while_armed
+        self._armed += 1
+        try:
+            yield lambda: self.compiles_while_armed - self.cache_reads_while_armed - start
+        finally:
+            self._armed -= 1
 
     @contextlib.contextmanager
     def serving(self):
-        before = self.compiles_while_armed
+        """Raises if anything is traced or handed to XLA inside the block (a cache read included)."""
+        start = self.compiles_while_armed
         self._armed += 1
         try:
             with jax.no_tracing(True):
@@ -92,9 +108,9 @@ class CompileGuard:
             raise
         finally:
             self._armed -= 1
-        if self.compiles_while_armed != before:
+        if self.compiles_while_armed != start:
             raise CompilationAfterWarmupError(
-                f"strict mode: {self.compiles_while_armed - before} XLA compilation(s) happened after warm-up"
+                f"strict mode: {self.compiles_while_armed - start} XLA compilation(s) happened after warm-up"
             )
 
 

@@ -3,32 +3,53 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
+from jaxinfer import checks
 from jaxinfer.errors import ConfigError
+
+
+DEFAULT_MAX_MODEL_LEN_CAP = 8192  # an unset max_model_len is the model's own, capped here
 
 
 @dataclasses.dataclass
 class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 8192
+    # Serve a max_model_len beyond the model's max_position_embeddings (positions it was not trained on).
+    allow_long_max_model_len: bool = False
     max_num_seqs: int = 8  # sequences per step
     max_num_batched_tokens: int = 512  # tokens per mixed (prefill) step
     page_size: int = 16
-    num_pages: int | None = None  # default: every sequence at full length, capped by free accelerator memory
-    kv_cache_memory_fraction: float = 0.85  # of the accelerator memory left after weights
+    num_pages: int | None = None  # default: every sequence at full length, capped by free device / host memory
+    kv_cache_memory_fraction: float = 0.85  # of the memory left after weights (host memory on CPU)
     decode_steps: int = 8  # decode steps per device-side loop
-    max_logprobs: int = 5  # the largest SamplingParams.logprobs served; 0 skips the computation
+    max_logprobs: int | None = 5  # the largest SamplingParams.logprobs served; None: logprobs are not served
     max_stop_token_ids: int = 8  # EOS ids + stop_token_ids per request
     min_token_bucket: int = 16
     strict: bool = False  # raise if anything is traced or compiled after warm-up
     warmup: bool = True  # compile the whole bucket grid at start-up
-    compilation_cache_dir: str | None = None  # persistent XLA compilation cache
+    compilation_cache: bool = True  # persistent XLA compilation cache: a second start-up reads, not compiles
+    compilation_cache_dir: str | None = None  # its folder (default: xla-cache under $JAXINFER_HOME or ~/.cache/jaxinfer)
     seed: int = 0  # base of the per-request seeds for requests that give none
     show_progress: bool = True
 
     def validate(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "decode_steps", "min_token_bucket"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        """``ConfigError`` naming any option of the wrong type or out of range."""
+        def name(field):
+            return f"EngineConfig.{field}"
+
+        for field in ("max_num_seqs", "max_num_batched_tokens", "page_size", "decode_steps", "min_token_bucket",
+                      "max_stop_token_ids"):
+            checks.integer(getattr(self, field), name(field), ge=1)
+        for field in ("max_model_len", "num_pages"):
+            checks.optional(checks.integer, getattr(self, field), name(field), ge=1)
+        checks.optional(checks.integer, self.max_logprobs, name("max_logprobs"), ge=0)
+        checks.integer(self.seed, name("seed"), ge=0)
+        checks.number(self.kv_cache_memory_fraction, name("kv_cache_memory_fraction"), gt=0, le=1)
+        for field in ("allow_long_max_model_len", "strict", "warmup", "compilation_cache", "show_progress"):
+            checks.boolean(getattr(self, field), name(field))
+        if self.compilation_cache_dir is not None and not isinstance(self.compilation_cache_dir, str):
+            raise ConfigError(f"{name('compilation_cache_dir')} must be a path string, got {self.compilation_cache_dir!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
@@ -37,9 +58,35 @@ class EngineConfig:
         if self.strict and not self.warmup:
             raise ConfigError("strict mode needs warmup=True: it forbids compiling after the warm-up")
 
+    def for_model(self, model_config) -> "EngineConfig":
+        """A validated copy with ``max_model_len`` resolved for the model: its
+        ``max_position_embeddings`` (capped at ``DEFAULT_MAX_MODEL_LEN_CAP``) when unset; beyond it only
+        with ``allow_long_max_model_len``."""
+        config = dataclasses.replace(self)
+        config.validate()
+        limit = model_config.max_position_embeddings
+        if config.max_model_len is None:
+            config.max_model_len = min(limit, DEFAULT_MAX_MODEL_LEN_CAP)
+        elif config.max_model_len > limit and not config.allow_long_max_model_len:
+            raise ConfigError(
+                f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings ({limit}), "
+                "positions it was not trained on; lower it, or pass allow_long_max_model_len=True to serve it anyway"
+            )
+        return config
+
     @property
     def max_pages_per_seq(self) -> int:
         return -(-self.max_model_len // self.page_size)
+
+    def cache_dir(self) -> str | None:
+        """The persistent compilation cache's folder, or None when it is off."""
+        if not self.compilation_cache:
+            return None
+        if self.compilation_cache_dir:
+            return self.compilation_cache_dir
+        from jaxinfer.tiny import jaxinfer_home
+
+        return os.path.join(jaxinfer_home(), "xla-cache")
 
 
 def power_of_two_buckets(low: int, high: int) -> tuple[int, ...]:

@@ -1,38 +1,40 @@
-"""The serving loop: requests in, scheduler decides, runner executes, outputs out."""
+"""The serving loop: requests in, scheduler decides, runner executes, outputs out.
+
+A step that fails (an error in a kernel, the host code around it, or a ``KeyboardInterrupt``) leaves
+the engine usable: its requests end with ``finish_reason="error"`` (``"abort"`` for an interrupt) and
+give their pages back, the caches are re-made if the failed call had consumed them (every other
+running request is then recomputed from its tokens), and the exception reaches the caller.
+"""
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
 import dataclasses
-import json
 import os
+import threading
 import time
-
-import jax
+from collections.abc import Iterable
 
 from jaxinfer.cache.allocator import PageAllocator
 from jaxinfer.cache.layout import KVCacheLayout
+from jaxinfer.engine import memory
 from jaxinfer.engine.aot import DECODE, MIXED, BucketGrid, CompileGuard, CompileKey, enable_compilation_cache
 from jaxinfer.engine.config import EngineConfig, bucket_for
+from jaxinfer.engine.detokenizer import IncrementalDetokenizer
 from jaxinfer.engine.request import Request, RequestStatus
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.sampling import SamplingParams
 from jaxinfer.engine.scheduler import DecodeBatch, MixedBatch, Scheduler
 from jaxinfer.errors import ConfigError, InvalidRequestError
+from jaxinfer.generation_config import GenerationDefaults
 from jaxinfer.loader import LoadedModel, validate_token_ids
 
-_MAX_MODEL_LEN_CAP = 8192  # default max_model_len: the model's own, capped here
 
-
-def read_eos_token_ids(model: LoadedModel, tokenizer=None) -> tuple[int, ...]:
+def _eos_token_ids(model: LoadedModel, generation: GenerationDefaults | None, tokenizer) -> tuple[int, ...]:
     """generation_config.json's eos_token_id, else config.json's, else the tokenizer's."""
-    path = os.path.join(model.path, "generation_config.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            eos = json.load(f).get("eos_token_id")
-        if eos is not None:
-            return (eos,) if isinstance(eos, int) else tuple(eos)
+    if generation is not None and generation.eos_token_ids is not None:
+        return generation.eos_token_ids
     if model.config.eos_token_ids:
         return model.config.eos_token_ids
     if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -40,47 +42,57 @@ def read_eos_token_ids(model: LoadedModel, tokenizer=None) -> tuple[int, ...]:
     return ()
 
 
-def _default_num_pages(config: EngineConfig, page_bytes: int) -> int:
-    """Enough pages for every sequence slot at full length, fewer if accelerator memory is short.
-
-    More would sit unused: without a prefix cache no page outlives its request.
-    """
+def plan_num_pages(config: EngineConfig, page_bytes: int, available: int | None) -> int:
+    """The page count: ``config.num_pages``, or enough for every sequence slot at full length (more
+    would sit unused: no page outlives its request), either within ``kv_cache_memory_fraction`` of
+    the ``available`` bytes. ``ConfigError`` when the pages cannot fit or cannot hold one sequence."""
+    budget = None if available is None else int(available * config.kv_cache_memory_fraction)
     most_usable = config.max_num_seqs * config.max_pages_per_seq
-    device = jax.devices()[0]
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if stats and "bytes_limit" in stats:
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        return min(most_usable, int(free * config.kv_cache_memory_fraction) // page_bytes)
-    return most_usable
+    num_pages = config.num_pages
+    if num_pages is None:
+        num_pages = most_usable if budget is None else min(most_usable, budget // page_bytes)
+    elif budget is not None and num_pages * page_bytes > budget:
+        raise ConfigError(
+            f"num_pages={num_pages} pages of {page_bytes / 2**20:.2f} MiB need {num_pages * page_bytes / 2**30:.2f} GiB; "
+            f"{budget / 2**30:.2f} GiB are available for the KV cache (kv_cache_memory_fraction="
+            f"{config.kv_cache_memory_fraction} of the free memory): lower num_pages"
+        )
+    if num_pages < config.max_pages_per_seq:
+        where = "" if budget is None else f" ({budget / 2**30:.2f} GiB of memory available for the KV cache)"
+        raise ConfigError(
+            f"{num_pages} KV pages{where} cannot hold one sequence of max_model_len={config.max_model_len} "
+            f"({config.max_pages_per_seq} pages of {config.page_size} tokens, {page_bytes / 2**20:.2f} MiB each); "
+            "lower max_model_len or give the cache more memory"
+        )
+    return num_pages
 
 
 class Engine:
-    def __init__(self, model: LoadedModel, config: EngineConfig | None = None, *, tokenizer=None):
-        config = dataclasses.replace(config) if config is not None else EngineConfig()
-        if config.max_model_len is None:
-            config.max_model_len = min(model.config.max_position_embeddings, _MAX_MODEL_LEN_CAP)
-        config.validate()
+    """Serves ``model``. ``generation_defaults``: the checkpoint's generation config, when the caller
+    has read it already (else it is read from ``model.path``)."""
+
+    def __init__(self, model: LoadedModel, config: EngineConfig | None = None, *, tokenizer=None,
+                 generation_defaults: GenerationDefaults | None = None):
+        config = (config or EngineConfig()).for_model(model.config)
+        if config.cache_dir():  # first, so every program of the engine is read from it or written to it
+            enable_compilation_cache(config.cache_dir())
         self.model = model
-        self.config = config
         specs = model.model_cls.kv_cache_specs(model.config)
         page_bytes = KVCacheLayout.bytes_per_page_for(specs, config.page_size, model.dtype)
-        num_pages = config.num_pages or _default_num_pages(config, page_bytes)
-        if num_pages < config.max_pages_per_seq:
-            raise ConfigError(
-                f"{num_pages} KV pages cannot hold one sequence of max_model_len={config.max_model_len} "
-                f"({config.max_pages_per_seq} pages of {config.page_size}); lower max_model_len or add pages"
-            )
-        config.num_pages = num_pages
-        self.layout = KVCacheLayout(specs, config.page_size, num_pages, model.dtype)
-        self.eos_token_ids = read_eos_token_ids(model, tokenizer)
+        config.num_pages = plan_num_pages(config, page_bytes, memory.available_bytes())
+        self.config = config
+        self.layout = KVCacheLayout(specs, config.page_size, config.num_pages, model.dtype)
+        self.generation_defaults = generation_defaults or GenerationDefaults.read(model.path, model.config.vocab_size)
+        self.eos_token_ids = _eos_token_ids(model, self.generation_defaults, tokenizer)
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(config, PageAllocator(num_pages))
+        self.scheduler = Scheduler(config, PageAllocator(config.num_pages))
         self.runner = ModelRunner(model, config, self.layout)
         self.grid = BucketGrid.from_config(config)
         self._next_id = 0
+        self._lock = threading.RLock()  # the scheduler's state: steps and aborts from other threads
+        self._stepping = False
+        self._pending_aborts: set[int] = set()
         self.warmup_seconds = None
-        if config.compilation_cache_dir:
-            enable_compilation_cache(config.compilation_cache_dir)
         if config.warmup:
             self.warmup()
 
@@ -123,6 +135,8 @@ class Engine:
         """Validate everything about one request; nothing is queued here."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        params = dataclasses.replace(params)  # a checked snapshot: later edits of the caller's object do not apply
+        params.check_vocabulary(self.model.config.vocab_size)
         ids = validate_token_ids(prompt_token_ids, self.model.config.vocab_size)
         limit = self.config.max_model_len
         if len(ids) >= limit:
@@ -130,18 +144,16 @@ class Engine:
                 f"the prompt has {len(ids)} tokens; max_model_len is {limit}, which leaves no room to generate "
                 "(shorten the prompt or raise max_model_len)"
             )
-        if params.logprobs and params.logprobs > self.config.max_logprobs:
+        most = self.config.max_logprobs
+        if params.logprobs is not None and (most is None or params.logprobs > most):
             raise InvalidRequestError(
-                f"logprobs={params.logprobs} exceeds the engine's max_logprobs={self.config.max_logprobs}"
+                f"logprobs={params.logprobs} exceeds the engine's max_logprobs={most}"
             )
         stop_ids = tuple(dict.fromkeys((() if params.ignore_eos else self.eos_token_ids) + tuple(params.stop_token_ids or ())))
         if len(stop_ids) > self.config.max_stop_token_ids:
             raise InvalidRequestError(
                 f"{len(stop_ids)} stop token ids (EOS included) exceed max_stop_token_ids={self.config.max_stop_token_ids}"
             )
-        bad_stop = [t for t in stop_ids if t >= self.model.config.vocab_size]
-        if bad_stop:
-            raise InvalidRequestError(f"stop_token_ids outside the vocabulary: {bad_stop}")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this checkpoint has none (use stop_token_ids)")
         request_id = self._next_id
@@ -150,10 +162,39 @@ class Engine:
         if params.max_tokens is not None:
             max_output = min(max_output, params.max_tokens)
         seed = params.seed if params.seed is not None else (self.config.seed * 1_000_003 + request_id) % 2**32
-        return Request(request_id, ids, params, seed, stop_ids, max_output, prompt=prompt)
+        request = Request(request_id, ids, params, seed, stop_ids, max_output, prompt=prompt)
+        if params.stop:
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop)
+        return request
 
     def add(self, request: Request) -> None:
-        self.scheduler.add(request)
+        with self._lock:
+            self.scheduler.add(request)
+
+    def abort(self, request_ids: int | Iterable[int]) -> None:
+        """End these requests (waiting or running) with ``finish_reason="abort"``; their pages are freed.
+        Ids of finished or unknown requests are ignored. Safe to call from another thread: a step in
+        progress finishes first."""
+        ids = {request_ids} if isinstance(request_ids, int) else set(request_ids)
+        with self._lock:
+            self._pending_aborts |= ids
+            if not self._stepping:
+                self._apply_aborts()
+
+    def _apply_aborts(self) -> None:
+        for request_id in self._pending_aborts:
+            request = self.scheduler.find(request_id)
+            if request is not None:
+                self._finish(request, "abort")
+        self._pending_aborts.clear()
+
+    def _finish(self, r: Request, reason: str, text: str | None = None) -> None:
+        """End ``r`` with ``reason``; its text is ``text``, or its output decoded."""
+        if text is None and self.tokenizer is not None:
+            text = self.tokenizer.decode(r.output_token_ids, skip_special_tokens=r.params.skip_special_tokens)
+        r.text = text or ""
+        with self._lock:
+            self.scheduler.finish(r, reason)
 
     # ---- the loop ------------------------------------------------------------------------------
 
@@ -167,12 +208,43 @@ class Engine:
 
     def step(self) -> list[Request]:
         """One device call; returns the requests that finished in it."""
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return []
-        if isinstance(batch, MixedBatch):
-            return self._run_mixed(batch)
-        return self._run_decode(batch)
+        batch = None
+        try:
+            with self._lock:
+                self._stepping = True
+                self._apply_aborts()
+                self._recover_caches()
+                batch = self.scheduler.schedule()
+            if batch is None:
+                return []
+            return self._run_mixed(batch) if isinstance(batch, MixedBatch) else self._run_decode(batch)
+        except BaseException as e:
+            if batch is not None:
+                with self._lock:
+                    self._fail(batch, e)
+            raise
+        finally:
+            with self._lock:
+                self._stepping = False
+                self._apply_aborts()
+
+    def _recover_caches(self) -> None:
+        """If a call consumed the caches without handing new ones back, re-make them; what the running
+        requests had cached is gone, so they are recomputed."""
+        if self.runner.recover_caches():
+            self.scheduler.preempt_all()
+
+    def _fail(self, batch: MixedBatch | DecodeBatch, error: BaseException) -> None:
+        """End the failed call's requests, and leave the caches and pages consistent."""
+        interrupted = isinstance(error, KeyboardInterrupt)
+        requests = [r for r, _ in batch.items] if isinstance(batch, MixedBatch) else batch.requests
+        for r in requests:
+            if r.status is not RequestStatus.FINISHED:
+                if not interrupted:
+                    r.error = f"{type(error).__name__}: {error}"
+                self.scheduler.finish(r, "abort" if interrupted else "error")  # text left undecoded: the
+                # tokenizer may be what failed
+        self._recover_caches()
 
     def _run_mixed(self, batch: MixedBatch) -> list[Request]:
         key = CompileKey(MIXED, bucket_for(batch.num_tokens, self.grid.token_buckets),
@@ -212,26 +284,10 @@ class Engine:
             entry = {int(i): float(v) for i, v in zip(top_ids[: r.params.logprobs], top_values[: r.params.logprobs])}
             entry[token] = float(sampled)
             r.output_logprobs.append(entry)
-        reason, text_done = None, False
         if token in r.stop_ids:
-            reason = "stop"
-        elif r.params.stop and self._truncate_at_stop_string(r):
-            reason, text_done = "stop", True
+            self._finish(r, "stop")
+        elif r.detokenizer is not None and r.detokenizer.add(r.output_token_ids):
+            self._finish(r, "stop", r.detokenizer.text)  # cut where the stop string starts
         elif r.remaining_output <= 0:
-            reason = "length"
-        if reason is None:
-            return False
-        r.finish_reason = reason
-        if self.tokenizer is not None and not text_done:
-            r.text = self.tokenizer.decode(r.output_token_ids, skip_special_tokens=r.params.skip_special_tokens)
-        self.scheduler.finish(r)
-        return True
-
-    def _truncate_at_stop_string(self, r: Request) -> bool:
-        text = self.tokenizer.decode(r.output_token_ids, skip_special_tokens=r.params.skip_special_tokens)
-        hits = [text.find(s) for s in r.params.stop if s in text]
-        if not hits:
-            return False
-        r.text = text[: min(hits)]
-        return True
-
+            self._finish(r, "length")
+        return r.status is RequestStatus.FINISHED

@@ -34,9 +34,11 @@ class Request:
     num_computed: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    error: str | None = None  # what failed, when finish_reason is "error"
     text: str = ""
     num_preemptions: int = 0
+    detokenizer: object | None = None  # IncrementalDetokenizer, where stop strings are watched for
 
     @property
     def num_tokens(self) -> int:

@@ -55,7 +55,7 @@ def _sampling_rows(requests: list[Request], num_rows: int) -> SamplingBatch:
         temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, max(p.top_k, 0), p.top_p, p.min_p
         key_data[i] = seed_key_data(r.seed)
         counters[i] = len(r.output_token_ids)
-        wants_logprobs[i] = bool(p.logprobs)
+        wants_logprobs[i] = p.logprobs is not None
     return SamplingBatch(temperature, top_k, top_p, min_p, key_data, counters, wants_logprobs)
 
 
@@ -65,6 +65,7 @@ class ModelRunner:
         self.config = config
         self.layout = layout
         self.caches = layout.allocate(model.mesh)
+        self._call_in_flight = False  # a call was given the caches and has not handed new ones back
         self._executables: dict[CompileKey, jax.stages.Compiled] = {}
         self.strict = False  # set once the warm-up is done, in strict mode
         self.compiler_options: dict[str, str | int | bool] = {}  # XLA options for every executable compiled here
@@ -86,7 +87,7 @@ class ModelRunner:
         num_seqs = state.tokens.shape[0]
         rows = jnp.arange(num_seqs, dtype=jnp.int32)
         out_tokens = jnp.full((num_steps, num_seqs), -1, jnp.int32)
-        k = max(self.config.max_logprobs, 1)
+        k = self.config.max_logprobs or 0
         out_logprobs = (jnp.zeros((num_steps, num_seqs), jnp.float32), jnp.zeros((num_steps, num_seqs, k), jnp.int32),
                         jnp.zeros((num_steps, num_seqs, k), jnp.float32))
 
@@ -230,8 +231,22 @@ class ModelRunner:
             self.compile(key)
             executable = self._executables[key]
         inputs = jax.device_put(inputs, replicated(self.model.mesh))
+        self._call_in_flight = True
         self.caches, *outputs = executable(self.model.params, self.caches, *inputs)
+        self._call_in_flight = False
         return jax.device_get(outputs)
+
+    def recover_caches(self) -> bool:
+        """After a call that did not complete (it raised, or was interrupted before its new caches were
+        stored): re-make the caches if the call consumed them (they are donated). True when it did, so
+        nothing any sequence had cached survives."""
+        if not self._call_in_flight:
+            return False
+        self._call_in_flight = False
+        if not any(leaf.is_deleted() for leaf in jax.tree.leaves(self.caches)):
+            return False
+        self.caches = self.layout.allocate(self.model.mesh)
+        return True
 
     def run_mixed(self, key: CompileKey, items: list[tuple[Request, int]]):
         """-> (tokens [S], logprobs or None) as numpy."""

@@ -15,47 +15,56 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxinfer import checks
 from jaxinfer.errors import InvalidRequestError
 
 
 @dataclasses.dataclass
 class SamplingParams:
+    """How one request samples and when it stops. Every field is type- and range-checked when the
+    object is built (and again when a request is made from it); ``InvalidRequestError`` names it."""
+
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0  # 0 (or -1) disables
+    top_k: int = 0  # 0 (or -1) disables; at most the vocabulary size (checked by the engine)
     min_p: float = 0.0
     seed: int | None = None
     max_tokens: int | None = 16  # None: until the model length
     stop: str | list[str] | None = None  # stop strings; not included in the output
     stop_token_ids: list[int] | None = None  # also stop on these (the token is kept in token_ids)
     ignore_eos: bool = False
-    logprobs: int | None = None  # top-N logprobs per generated token
+    logprobs: int | None = None  # top-N logprobs per generated token, plus the sampled one's (0: that alone)
     skip_special_tokens: bool = True
 
     def __post_init__(self):
-        def bad(what):
-            raise InvalidRequestError(f"invalid SamplingParams: {what}")
+        error = InvalidRequestError
+        self.temperature = checks.number(self.temperature, "SamplingParams.temperature", ge=0, error=error)
+        self.top_p = checks.number(self.top_p, "SamplingParams.top_p", gt=0, le=1, error=error)
+        self.top_k = checks.integer(self.top_k, "SamplingParams.top_k (0 or -1 disables it)", ge=-1, error=error)
+        self.min_p = checks.number(self.min_p, "SamplingParams.min_p", ge=0, le=1, error=error)
+        self.seed = checks.optional(checks.integer, self.seed, "SamplingParams.seed", ge=0, le=2**32 - 1, error=error)
+        self.max_tokens = checks.optional(checks.integer, self.max_tokens, "SamplingParams.max_tokens", ge=1,
+                                          error=error)
+        self.logprobs = checks.optional(checks.integer, self.logprobs, "SamplingParams.logprobs", ge=0, error=error)
+        self.ignore_eos = checks.boolean(self.ignore_eos, "SamplingParams.ignore_eos", error=error)
+        self.skip_special_tokens = checks.boolean(self.skip_special_tokens, "SamplingParams.skip_special_tokens",
+                                                  error=error)
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stop is not None and (not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop)):
+            raise error(f"SamplingParams.stop must be a non-empty string or a list of them, got {self.stop!r}")
+        self.stop = None if stop is None else list(stop)
+        if self.stop_token_ids is not None:
+            self.stop_token_ids = list(checks.integer_list(self.stop_token_ids, "SamplingParams.stop_token_ids", ge=0,
+                                                           error=error))
 
-        if not isinstance(self.temperature, (int, float)) or not np.isfinite(self.temperature) or self.temperature < 0:
-            bad(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            bad(f"top_k must be an integer >= 0 (0 or -1 disables it), got {self.top_k!r}")
-        if not 0 <= self.min_p <= 1:
-            bad(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            bad(f"max_tokens must be a positive integer or None, got {self.max_tokens!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**32):
-            bad(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            bad(f"logprobs must be a non-negative integer, got {self.logprobs!r}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if self.stop is not None and (not all(isinstance(s, str) and s for s in self.stop)):
-            bad(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        if self.stop_token_ids is not None and not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            bad(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """The checks that need the model: ``top_k`` and ``stop_token_ids`` within its vocabulary."""
+        if self.top_k > vocab_size:
+            raise InvalidRequestError(f"SamplingParams.top_k must be at most the vocabulary size ({vocab_size}), "
+                                      f"or 0 / -1 to disable it; got {self.top_k}")
+        bad = [t for t in self.stop_token_ids or () if t >= vocab_size]
+        if bad:
+            raise InvalidRequestError(f"SamplingParams.stop_token_ids outside the vocabulary [0, {vocab_size}): {bad}")
 
 
 @struct.dataclass
@@ -93,10 +102,10 @@ def _filter_logits(x, top_k, top_p, min_p):
     return jnp.where((x >= threshold) & (x >= min_p_threshold), x, -jnp.inf)
 
 
-def sample(logits, batch: SamplingBatch, num_logprobs: int = 0, all_greedy: bool = False):
+def sample(logits, batch: SamplingBatch, num_logprobs: int | None = None, all_greedy: bool = False):
     """logits [S, V] float32 -> (tokens [S] int32, logprobs or None).
 
-    ``logprobs`` (when ``num_logprobs > 0``) is ``(sampled [S], top_ids [S, N], top_values [S, N])``
+    ``logprobs`` (unless ``num_logprobs`` is None) is ``(sampled [S], top_ids [S, N], top_values [S, N])``
     from the log-softmax of the raw logits (before temperature and filters); zeros when no row
     asked for them. The filters, the random draw and the logprobs each run only when some row of
     the batch needs them (``lax.cond``). The ``cond``s still cost a step time, the filters' one a
@@ -131,15 +140,18 @@ def _draw(logits, greedy, batch: SamplingBatch):
     return jnp.where(batch.temperature > 0, drawn, greedy)
 
 
-def _logprobs(logits, tokens, batch: SamplingBatch, num_logprobs: int):
-    """``(sampled, top_ids, top_values)`` as ``sample`` documents them, or None when ``num_logprobs <= 0``."""
-    if num_logprobs <= 0:
+def _logprobs(logits, tokens, batch: SamplingBatch, num_logprobs: int | None):
+    """``(sampled, top_ids, top_values)`` as ``sample`` documents them (top arrays of width
+    ``num_logprobs``, which may be 0), or None when ``num_logprobs`` is None."""
+    if num_logprobs is None:
         return None
 
     def logprobs(logits):
         logp = jax.nn.log_softmax(logits, axis=-1)
-        top_values, top_ids = jax.lax.top_k(logp, num_logprobs)
         sampled = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+        if num_logprobs == 0:
+            return sampled, jnp.zeros((logits.shape[0], 0), jnp.int32), jnp.zeros((logits.shape[0], 0), jnp.float32)
+        top_values, top_ids = jax.lax.top_k(logp, num_logprobs)
         return sampled, top_ids.astype(jnp.int32), top_values
 
     def none(logits):

@@ -78,11 +78,25 @@ class Scheduler:
                 return False
         return True
 
-    def finish(self, request: Request) -> None:
+    def finish(self, request: Request, reason: str) -> None:
+        """End ``request`` (running or waiting) with ``reason``; its pages go back to the pool."""
         self.allocator.free(request.pages)
         request.pages = []
         request.status = RequestStatus.FINISHED
-        self.running.remove(request)
+        request.finish_reason = reason
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+
+    def find(self, request_id: int) -> Request | None:
+        """The unfinished request with this id, if any."""
+        return next((r for r in (*self.running, *self.waiting) if r.request_id == request_id), None)
+
+    def preempt_all(self) -> None:
+        """Send every running request back to be recomputed (the cache lost what they had written)."""
+        for request in reversed(list(self.running)):
+            self._preempt(request)
 
     def schedule(self) -> MixedBatch | DecodeBatch | None:
         if not self.has_work():

@@ -36,6 +36,15 @@ class CausalLM(nn.Module):
         """Raise ``ConfigError`` for any config value the implementation does not support."""
 
     @classmethod
+    def check_checkpoint_layout(cls, config: ModelConfig, checkpoint) -> None:
+        """``ConfigError`` where config sizes contradict the checkpoint's tensor names and header shapes
+        (layer count, embedding matrix); cheap, so it runs before the config is expanded into layers.
+        Families add their own (expert counts)."""
+        from jaxinfer.weights import check_layout
+
+        check_layout(checkpoint, config)
+
+    @classmethod
     def kv_cache_specs(cls, config: ModelConfig) -> tuple[KVCacheSpec, ...]:
         raise NotImplementedError
 
@@ -54,6 +63,25 @@ class CausalLM(nn.Module):
         from jaxinfer.weights import Tensor
 
         return {path: Tensor(cls.path_to_checkpoint_name(path)) for path in expected}
+
+    @classmethod
+    def checkpoint_tensors(cls, config: ModelConfig, params: dict) -> dict:
+        """The inverse of ``checkpoint_sources``: {checkpoint name: array} for flat parameters
+        ``{path: array}`` (tiny checkpoints are written with it). Families whose sources derive a
+        parameter from a re-laid-out tensor override this."""
+        from jaxinfer.weights import Stacked, Tensor
+
+        sources = cls.checkpoint_sources(config, params, set())
+        tensors = {}
+        for path, value in params.items():
+            source = sources[path]
+            if isinstance(source, Tensor):
+                tensors[source.names[0]] = value
+            elif isinstance(source, Stacked):
+                tensors.update({name: value[i] for i, name in enumerate(source.names)})
+            else:
+                raise NotImplementedError(f"{cls.__name__} cannot write {path}: it is derived on load")
+        return tensors
 
     @staticmethod
     def path_to_checkpoint_name(path: tuple[str, ...]) -> str:

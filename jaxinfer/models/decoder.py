@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jaxinfer.cache.layout import KVCacheSpec
 from jaxinfer.cache.metadata import AttentionMetadata
 from jaxinfer.config import ModelConfig
+from jaxinfer.errors import ConfigError
 from jaxinfer.kernels.moe import flag_words
 from jaxinfer.models.base import CausalLM
 from jaxinfer.models.layers.activations import get_activation
@@ -51,21 +52,25 @@ class DecoderSpec:
     norm_float32_weight: bool = False  # RMSNorm multiplies its weight in float32 (GPT-OSS)
 
 
-def layer_windows(config: ModelConfig, default_sliding: bool = False) -> tuple[int | None, ...]:
-    """Sliding window per layer from ``layer_types`` (HF >= 4.5x configs), else all or none."""
-    n, window = config.num_hidden_layers, config.get("sliding_window")
+def sliding_window(config: ModelConfig) -> int | None:
+    """``sliding_window`` as HF's config class leaves it (None where the family turns it off), checked."""
+    return config.int_field("sliding_window", default=None, ge=1)
+
+
+def layer_windows(config: ModelConfig) -> tuple[int | None, ...]:
+    """Sliding window per layer from ``layer_types``: ``sliding_window`` on its "sliding_attention"
+    layers (none when the config leaves ``sliding_window`` unset, as HF's attention does), none
+    on the others; no windows when ``layer_types`` is unset."""
+    n, window = config.num_hidden_layers, sliding_window(config)
     layer_types = config.get("layer_types")
     if layer_types is None:
-        return (window if default_sliding else None,) * n
-    from jaxinfer.errors import ConfigError
-
-    if len(layer_types) != n:
-        raise ConfigError(f"layer_types has {len(layer_types)} entries for {n} layers")
-    unknown = set(layer_types) - {"sliding_attention", "full_attention"}
+        return (None,) * n
+    if not isinstance(layer_types, (list, tuple)) or len(layer_types) != n:
+        raise ConfigError(f"layer_types must list one entry per layer ({n}), got {layer_types!r}")
+    unknown = sorted({repr(t) for t in layer_types if t not in ("sliding_attention", "full_attention")})
     if unknown:
-        raise ConfigError(f"unsupported layer_types {sorted(unknown)} for {config.model_type}")
-    if "sliding_attention" in layer_types and not window:
-        raise ConfigError("layer_types has sliding_attention layers but sliding_window is not set")
+        raise ConfigError(f"layer_types holds {unknown}; {config.model_type} layers are 'sliding_attention' or "
+                          "'full_attention'")
     return tuple(window if t == "sliding_attention" else None for t in layer_types)
 
 
@@ -163,6 +168,7 @@ class DecoderForCausalLM(CausalLM):
     @classmethod
     def validate_config(cls, config: ModelConfig) -> None:
         get_activation(config.hidden_act)
+        config.rope.check_rotary_dim(config.head_dim)
         cls.spec(config)
 
     @classmethod

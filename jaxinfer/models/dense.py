@@ -9,18 +9,21 @@ from __future__ import annotations
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import ConfigError
-from jaxinfer.models.decoder import AttentionSpec, DecoderForCausalLM, DecoderSpec, LayerSpec, layer_windows
+from jaxinfer.models.decoder import (AttentionSpec, DecoderForCausalLM, DecoderSpec, LayerSpec, layer_windows,
+                                     sliding_window)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def _qwen_windows(config: ModelConfig) -> tuple[int | None, ...]:
-    if config.get("layer_types") is not None:
+def _windows(config: ModelConfig) -> tuple[int | None, ...]:
+    """Mistral slides every layer when ``sliding_window`` is set (it ignores ``layer_types``); Qwen2/3
+    slide the "sliding_attention" layers of ``layer_types``, which HF's config class derives from
+    ``use_sliding_window`` and ``max_window_layers`` when the checkpoint does not list them."""
+    if config.model_type == "mistral":
+        return (sliding_window(config),) * config.num_hidden_layers
+    if config.model_type in ("qwen2", "qwen3"):
         return layer_windows(config)
-    n, window = config.num_hidden_layers, config.get("sliding_window")
-    use = config.get("use_sliding_window", False) and window is not None
-    start = config.get("max_window_layers", n)
-    return tuple(window if use and i >= start else None for i in range(n))
+    return (None,) * config.num_hidden_layers
 
 
 class DenseDecoderForCausalLM(DecoderForCausalLM):
@@ -34,14 +37,8 @@ class DenseDecoderForCausalLM(DecoderForCausalLM):
                 f"model_type {config.model_type!r} is not a dense family this class serves "
                 f"({', '.join(SUPPORTED_MODEL_TYPES)})"
             )
-        if kind == "mistral":
-            windows = layer_windows(config, default_sliding=True)
-        elif kind in ("qwen2", "qwen3"):
-            windows = _qwen_windows(config)
-        else:
-            windows = (None,) * config.num_hidden_layers
-        attention_bias = bool(config.get("attention_bias", False))
-        mlp_bias = bool(config.get("mlp_bias", False)) if kind == "llama" else False
+        attention_bias = config.bool_field("attention_bias", default=False)
+        mlp_bias = config.bool_field("mlp_bias", default=False) if kind == "llama" else False
         return DecoderSpec(tuple(
             LayerSpec(
                 AttentionSpec(
@@ -52,5 +49,5 @@ class DenseDecoderForCausalLM(DecoderForCausalLM):
                 ),
                 mlp_bias=mlp_bias,
             )
-            for w in windows
+            for w in _windows(config)
         ))

@@ -47,10 +47,11 @@ def _expert_sources(prefix: str, available: set[str]) -> dict[str, object]:
         names = [f"{gate_up}_blocks", f"{gate_up}_scales"]
         rows = lambda b, s: (b[0], b[1] // 2, b[2] * b[3] * 2)  # noqa: E731
         # Rows quantise independently: slice first, so each parameter dequantises only its own half.
-        sources["gate_proj"] = Derived(names, lambda b, s: dequantize_mxfp4(b[:, 0::2], s[:, 0::2]), rows)
-        sources["up_proj"] = Derived(names, lambda b, s: dequantize_mxfp4(b[:, 1::2], s[:, 1::2]), rows)
+        packed = ("U8",)  # two FP4 values per byte, and power-of-two exponents
+        sources["gate_proj"] = Derived(names, lambda b, s: dequantize_mxfp4(b[:, 0::2], s[:, 0::2]), rows, packed)
+        sources["up_proj"] = Derived(names, lambda b, s: dequantize_mxfp4(b[:, 1::2], s[:, 1::2]), rows, packed)
         sources["down_proj"] = Derived([f"{down}_blocks", f"{down}_scales"], dequantize_mxfp4,
-                                       lambda b, s: (b[0], b[1], b[2] * b[3] * 2))
+                                       lambda b, s: (b[0], b[1], b[2] * b[3] * 2), packed)
     else:  # [E, H, 2I] and [E, I, H], used as x @ W
         swap = lambda s: (s[0], s[2] // 2, s[1])  # noqa: E731
         sources["gate_proj"] = Derived([gate_up], lambda w: w[:, :, 0::2].transpose(0, 2, 1), swap)
@@ -64,12 +65,13 @@ class GptOssForCausalLM(DecoderForCausalLM):
 
     @classmethod
     def spec(cls, config: ModelConfig) -> DecoderSpec:
-        bias = bool(config.get("attention_bias", True))
-        moe = MoESpec(num_experts=config.require("num_local_experts", "num_experts"),
-                      top_k=config.require("num_experts_per_tok"),
-                      intermediate_size=config.intermediate_size, router="topk_softmax", router_name="router",
-                      router_bias=True, expert_bias=True, activation="gpt_oss",
-                      alpha=float(config.get("swiglu_alpha", 1.702)), limit=float(config.get("swiglu_limit", 7.0)))
+        bias = config.bool_field("attention_bias", default=True)
+        num_experts = config.int_field("num_local_experts", "num_experts", ge=1)
+        moe = MoESpec(num_experts=num_experts, top_k=config.int_field("num_experts_per_tok", ge=1, le=num_experts),
+                      intermediate_size=config.int_field("intermediate_size", ge=1), router="topk_softmax",
+                      router_name="router", router_bias=True, expert_bias=True, activation="gpt_oss",
+                      alpha=config.float_field("swiglu_alpha", default=1.702),
+                      limit=config.float_field("swiglu_limit", default=7.0, gt=0))
         return DecoderSpec(
             tuple(LayerSpec(AttentionSpec(qkv_bias=bias, o_bias=bias, sinks=True, sliding_window=w), moe)
                   for w in layer_windows(config)),
@@ -88,3 +90,21 @@ class GptOssForCausalLM(DecoderForCausalLM):
             else:
                 sources[path] = Tensor(cls.path_to_checkpoint_name(path))
         return sources
+
+    @classmethod
+    def checkpoint_tensors(cls, config: ModelConfig, params: dict) -> dict:
+        """Experts fused as on disk (bf16 layout): ``gate_up_proj`` [E, H, 2I] with gate and up
+        interleaved, ``down_proj`` [E, I, H], and their biases."""
+        experts = {path: value for path, value in params.items() if len(path) >= 2 and path[-2] == "experts"}
+        tensors = super().checkpoint_tensors(config, {p: v for p, v in params.items() if p not in experts})
+        for prefix in {path[:-1] for path in experts}:
+            name = cls.path_to_checkpoint_name(prefix)
+            part = {key: experts[(*prefix, key)] for key in ("gate_proj", "up_proj", "down_proj", "gate_proj_bias",
+                                                              "up_proj_bias", "down_proj_bias")}
+            gate_up = np.stack([part["gate_proj"], part["up_proj"]], axis=-2)  # [E, I, 2, H]
+            tensors[f"{name}.gate_up_proj"] = gate_up.reshape(gate_up.shape[0], -1, gate_up.shape[-1]).transpose(0, 2, 1)
+            tensors[f"{name}.gate_up_proj_bias"] = np.stack([part["gate_proj_bias"], part["up_proj_bias"]],
+                                                            axis=-1).reshape(gate_up.shape[0], -1)
+            tensors[f"{name}.down_proj"] = part["down_proj"].transpose(0, 2, 1)
+            tensors[f"{name}.down_proj_bias"] = part["down_proj_bias"]
+        return tensors

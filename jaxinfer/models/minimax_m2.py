@@ -9,7 +9,7 @@ from __future__ import annotations
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.decoder import AttentionSpec, DecoderForCausalLM, DecoderSpec, LayerSpec
 from jaxinfer.models.layers.moe import MoESpec
-from jaxinfer.models.moe_checkpoints import per_expert_sources
+from jaxinfer.models.moe_checkpoints import check_expert_count, per_expert_sources
 
 
 class MiniMaxM2ForCausalLM(DecoderForCausalLM):
@@ -18,11 +18,17 @@ class MiniMaxM2ForCausalLM(DecoderForCausalLM):
     @classmethod
     def spec(cls, config: ModelConfig) -> DecoderSpec:
         attention = AttentionSpec(qk_norm="full")
-        moe = MoESpec(num_experts=config.require("num_local_experts", "num_experts"),
-                      top_k=config.require("num_experts_per_tok"),
-                      intermediate_size=config.intermediate_size, router="sigmoid_bias", norm_topk_prob=True)
+        num_experts = config.int_field("num_local_experts", "num_experts", ge=1)
+        moe = MoESpec(num_experts=num_experts, top_k=config.int_field("num_experts_per_tok", ge=1, le=num_experts),
+                      intermediate_size=config.int_field("intermediate_size", ge=1), router="sigmoid_bias",
+                      norm_topk_prob=True)
         return DecoderSpec(tuple(LayerSpec(attention, moe, mlp_name="block_sparse_moe")
                                  for _ in range(config.num_hidden_layers)))
+
+    @classmethod
+    def check_checkpoint_layout(cls, config: ModelConfig, checkpoint) -> None:
+        super().check_checkpoint_layout(config, checkpoint)
+        check_expert_count(checkpoint, "num_local_experts", config.int_field("num_local_experts", "num_experts", ge=0))
 
     @classmethod
     def checkpoint_sources(cls, config: ModelConfig, expected: dict, available: set[str]) -> dict:

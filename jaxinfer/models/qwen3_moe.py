@@ -8,9 +8,9 @@ others keep a dense MLP of ``intermediate_size``. Experts are stored per expert 
 from __future__ import annotations
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.decoder import AttentionSpec, DecoderForCausalLM, DecoderSpec, LayerSpec
+from jaxinfer.models.decoder import AttentionSpec, DecoderForCausalLM, DecoderSpec, LayerSpec, sliding_window
 from jaxinfer.models.layers.moe import MoESpec
-from jaxinfer.models.moe_checkpoints import per_expert_sources
+from jaxinfer.models.moe_checkpoints import check_expert_count, per_expert_sources
 
 
 class Qwen3MoeForCausalLM(DecoderForCausalLM):
@@ -18,20 +18,26 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
 
     @classmethod
     def spec(cls, config: ModelConfig) -> DecoderSpec:
-        window = config.get("sliding_window") if config.get("use_sliding_window", False) else None
-        attention = AttentionSpec(qkv_bias=bool(config.get("attention_bias", False)),
-                                  o_bias=bool(config.get("attention_bias", False)), qk_norm="head",
-                                  sliding_window=window)
-        moe = MoESpec(num_experts=config.require("num_experts", "num_local_experts"),
-                      top_k=config.require("num_experts_per_tok"),
-                      intermediate_size=config.require("moe_intermediate_size"), router="softmax_topk",
-                      norm_topk_prob=bool(config.get("norm_topk_prob", False)))
-        dense_only = set(config.get("mlp_only_layers", []))
-        step = config.get("decoder_sparse_step", 1)
+        bias = config.bool_field("attention_bias", default=False)
+        attention = AttentionSpec(qkv_bias=bias, o_bias=bias, qk_norm="head", sliding_window=sliding_window(config))
+        num_experts = config.int_field("num_experts", "num_local_experts", ge=0)
+        n = config.num_hidden_layers
+        dense_only = set(config.int_list_field("mlp_only_layers", ge=0, le=n - 1))
+        step = config.int_field("decoder_sparse_step", default=1, ge=1)
+        if num_experts == 0:  # HF: every layer keeps a dense MLP
+            return DecoderSpec(tuple(LayerSpec(attention) for _ in range(n)))
+        moe = MoESpec(num_experts=num_experts,
+                      top_k=config.int_field("num_experts_per_tok", ge=1, le=num_experts),
+                      intermediate_size=config.int_field("moe_intermediate_size", ge=1), router="softmax_topk",
+                      norm_topk_prob=config.bool_field("norm_topk_prob", default=False))
         return DecoderSpec(tuple(
-            LayerSpec(attention, moe if i not in dense_only and moe.num_experts > 0 and (i + 1) % step == 0 else None)
-            for i in range(config.num_hidden_layers)
+            LayerSpec(attention, moe if i not in dense_only and (i + 1) % step == 0 else None) for i in range(n)
         ))
+
+    @classmethod
+    def check_checkpoint_layout(cls, config: ModelConfig, checkpoint) -> None:
+        super().check_checkpoint_layout(config, checkpoint)
+        check_expert_count(checkpoint, "num_experts", config.int_field("num_experts", "num_local_experts", ge=0))
 
     @classmethod
     def checkpoint_sources(cls, config: ModelConfig, expected: dict, available: set[str]) -> dict:
