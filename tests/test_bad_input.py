@@ -271,6 +271,18 @@ def test_a_symlink_inside_the_folder_is_followed(copy_of):
     assert load_model(path).logits([1, 2]).shape == (2, 259)
 
 
+def test_the_hub_cache_layout_loads(templates, tmp_path):
+    """A hub-cache snapshot's files are symlinks into the repository's blobs/ folder: allowed."""
+    repo = tmp_path / "models--org--tiny"
+    snapshot = repo / "snapshots" / "0123abc"
+    os.makedirs(repo / "blobs")
+    os.makedirs(snapshot)
+    for i, name in enumerate(sorted(os.listdir(templates("llama")))):
+        shutil.copy(os.path.join(templates("llama"), name), repo / "blobs" / f"blob{i}")
+        os.symlink(os.path.join("..", "..", "blobs", f"blob{i}"), snapshot / name)
+    assert load_model(snapshot).logits([1, 2]).shape == (2, 259)
+
+
 def test_pickle_weights_are_never_loaded(copy_of, tmp_path):
     path = copy_of()
     os.remove(os.path.join(path, "model.safetensors"))
