@@ -96,7 +96,8 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def cmd_info(args) -> int:
-    from jaxinfer.cache.layout import KVCacheLayout
+    from jaxinfer.cache.layout import CacheLayout
+    from jaxinfer.engine import memory
     from jaxinfer.engine.aot import BucketGrid
     from jaxinfer.engine.config import EngineConfig
     from jaxinfer.loader import open_checkpoint, resolve_dtype
@@ -106,22 +107,31 @@ def cmd_info(args) -> int:
     config, model_cls, checkpoint = open_checkpoint(path)
     dtype = resolve_dtype(args.dtype, config)
     num_params = sum(int(np.prod(checkpoint.shape(n))) for n in checkpoint.names())
+    weight_bytes = num_params * np.dtype(dtype).itemsize
     engine = EngineConfig(**_engine_options(args)).for_model(config)
-    specs = model_cls.kv_cache_specs(config)
-    page_bytes = KVCacheLayout.bytes_per_page_for(specs, engine.page_size, dtype)
+    specs = model_cls.cache_specs(config)
+    layout = CacheLayout(specs, engine.page_size, 1, dtype, num_slots=1)
     grid = BucketGrid.from_config(engine)
     keys = grid.keys(engine)
-    kinds = sorted({s.kind for s in specs})
     print(f"path:            {path}")
     print(f"architecture:    {config.architecture} ({model_cls.__module__}:{model_cls.__name__})")
-    print(f"parameters:      {num_params:,} ({num_params * np.dtype(dtype).itemsize / 2**20:.1f} MiB as {np.dtype(dtype).name})")
+    print(f"parameters:      {num_params:,} ({weight_bytes / 2**20:.1f} MiB as {np.dtype(dtype).name})")
     print(f"checkpoint dtype {config.dtype or 'unspecified'}; serving dtype {np.dtype(dtype).name}")
-    print(f"layers:          {config.num_hidden_layers} ({', '.join(kinds)}), {config.num_attention_heads} q / "
+    print(f"layers:          {config.num_hidden_layers}, {config.num_attention_heads} q / "
           f"{config.num_key_value_heads} kv heads of {config.head_dim}")
     print(f"tokenizer:       {'yes' if has_tokenizer(path) else 'none (token-id prompts only)'}")
-    print(f"KV cache:        {page_bytes / engine.page_size / 1024:.1f} KiB per token, {page_bytes / 2**20:.2f} MiB per "
-          f"page of {engine.page_size}; one full sequence of {engine.max_model_len} tokens needs "
-          f"{engine.max_pages_per_seq * page_bytes / 2**20:.1f} MiB")
+    print("cache:           per kind, over all layers:")
+    for kind, (per_token, per_sequence) in sorted(layout.bytes_by_kind().items()):
+        layers = sum(1 for layer in specs if any(spec.kind == kind for spec in layer))
+        cost = f"{per_token / 1024:.1f} KiB per token" if per_token else f"{per_sequence / 2**20:.2f} MiB per sequence"
+        print(f"  {kind:<12} {layers:>3} layers, {cost}")
+    sequence_bytes = layout.bytes_per_page * engine.max_pages_per_seq + layout.bytes_per_slot
+    print(f"                 one sequence of {engine.max_model_len} tokens needs {sequence_bytes / 2**20:.1f} MiB")
+    available = memory.available_bytes()
+    if available is not None and sequence_bytes:
+        budget = (available - weight_bytes) * engine.kv_cache_memory_fraction
+        print(f"                 {max(0, int(budget // sequence_bytes))} of them fit in this device's free memory "
+              f"after the weights (kv_cache_memory_fraction={engine.kv_cache_memory_fraction})")
     print(f"compile buckets: {len(keys)} (tokens {list(grid.token_buckets)}; seqs {list(grid.seq_buckets)}; "
           f"pages {list(grid.page_buckets)})")
     if args.verbose:

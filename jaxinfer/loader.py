@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.cache.layout import KVCacheLayout
-from jaxinfer.cache.metadata import AttentionMetadata
+from jaxinfer.cache.layout import CacheLayout
+from jaxinfer.cache.metadata import AttentionMetadata, build_metadata
 from jaxinfer import checks
 from jaxinfer.checkpoint_folder import CheckpointFolder
 from jaxinfer.config import ModelConfig
@@ -89,18 +89,11 @@ class LoadedModel:
             t = token_ids.shape[0]
             page_size = 16
             num_pages = -(-t // page_size)
-            layout = KVCacheLayout(self.model_cls.kv_cache_specs(self.config), page_size, num_pages, self.dtype)
-            caches = [tuple(jnp.zeros(layout.page_shape(s), self.dtype) for _ in "kv") for s in layout.layer_specs]
-            positions = jnp.arange(t, dtype=jnp.int32)
-            md = AttentionMetadata(
-                positions=positions,
-                slot_mapping=positions,
-                token_seq_ids=jnp.zeros((t,), jnp.int32),
-                block_tables=jnp.arange(num_pages, dtype=jnp.int32)[None, :],
-                seq_lens=jnp.array([t], jnp.int32),
-                logits_indices=jnp.array([t - 1], jnp.int32),
-            )
-            logits, _ = self.model.apply({"params": params}, token_ids, md, caches, all_logits=True)
+            layout = CacheLayout(self.model_cls.cache_specs(self.config), page_size, num_pages, self.dtype, num_slots=1)
+            md = build_metadata(jnp.zeros((1,), jnp.int32), jnp.full((1,), t, jnp.int32),
+                                jnp.arange(num_pages, dtype=jnp.int32)[None, :], page_size=page_size, num_tokens=t,
+                                state_slots=jnp.zeros((1,), jnp.int32), xp=jnp)
+            logits, _ = self.model.apply({"params": params}, token_ids, md, layout.zeros(), all_logits=True)
             return logits
 
         return jax.jit(run)

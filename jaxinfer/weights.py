@@ -20,8 +20,8 @@ import numpy as np
 from flax import traverse_util
 from safetensors import safe_open
 
-from jaxinfer.cache.layout import KVCacheLayout
-from jaxinfer.cache.metadata import AttentionMetadata
+from jaxinfer.cache.layout import CacheLayout
+from jaxinfer.cache.metadata import build_metadata
 from jaxinfer.checkpoint_folder import CheckpointFolder
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError, ConfigError
@@ -122,12 +122,11 @@ class SafetensorsCheckpoint:
 
 def _dummy_inputs(model_cls, config: ModelConfig):
     """Smallest inputs that trace the model, for ``jax.eval_shape`` of ``init``."""
-    layout = KVCacheLayout(model_cls.kv_cache_specs(config), page_size=1, num_pages=1, dtype=jnp.float32)
-    caches = [tuple(jnp.zeros(layout.page_shape(s)) for _ in "kv") for s in layout.layer_specs]
+    layout = CacheLayout(model_cls.cache_specs(config), page_size=1, num_pages=1, dtype=jnp.float32, num_slots=1)
     one = jnp.zeros((1,), jnp.int32)
-    md = AttentionMetadata(positions=one, slot_mapping=one, token_seq_ids=one,
-                           block_tables=jnp.zeros((1, 1), jnp.int32), seq_lens=one + 1, logits_indices=one)
-    return one, md, caches
+    md = build_metadata(one, one + 1, jnp.zeros((1, 1), jnp.int32), page_size=1, num_tokens=1, state_slots=one,
+                        xp=jnp)
+    return one, md, layout.zeros()
 
 
 def expected_params(model_cls, config: ModelConfig, dtype) -> dict[tuple[str, ...], jax.ShapeDtypeStruct]:

@@ -200,6 +200,41 @@ def test_text_prompts_stop_strings_and_chat(tiny_llama_dir):
     assert chat.prompt_token_ids == list(expected_prompt)
 
 
+def test_pages_that_slid_out_of_the_window_go_back(hf_checkpoint, monkeypatch):
+    """Mistral slides every layer: once decoding, a sequence holds at most the pages its window and
+    one decode loop's new tokens span, and its tokens are HF's."""
+    import torch
+
+    from jaxinfer.engine.scheduler import DecodeBatch
+
+    window, steps = 8, 4
+    path, hf_model = hf_checkpoint("mistral", sliding_window=window)
+    llm = LLM(path, warmup=False, decode_steps=steps, **SMALL)
+    scheduler = llm.engine.scheduler
+    assert scheduler.window == window
+    held = []
+    schedule = scheduler.schedule
+
+    def recording():
+        batch = schedule()
+        if isinstance(batch, DecodeBatch):
+            held.extend(len(r.pages) - r.num_released_pages for r in batch.requests)
+        return batch
+
+    monkeypatch.setattr(scheduler, "schedule", recording)
+    prompts = random_prompts([5, 30], seed=12)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=30,
+                                                                                 ignore_eos=True))
+    page_size = SMALL["page_size"]
+    assert held and max(held) <= -(-(window - 1 + steps) // page_size) + 1
+    assert scheduler.allocator.num_free == scheduler.allocator.num_pages
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=30, min_new_tokens=30, do_sample=False,
+                                    pad_token_id=0)
+        assert out.token_ids == ref[0, len(prompt):].tolist()
+
+
 def test_stop_strings_are_searched_in_the_new_text_only(tiny_llama_dir, monkeypatch):
     """Each new token decodes a short window, not the whole output: a request's stop checks cost
     O(its length). The one decode of the whole output is the final text's."""

@@ -20,6 +20,7 @@ from jaxinfer.kernels.attention import prefill_mgpu
 from jaxinfer.kernels.attention.prefill_pallas import ragged_paged_attention
 from jaxinfer.kernels.attention.rotary_pallas import rotary_cache_write
 from jaxinfer.kernels.linear.skinny_pallas import norm_project, project
+from jaxinfer.kernels.mla import decode_pallas as mla_decode_pallas
 from jaxinfer.kernels.moe import block_mgpu
 from jaxinfer.kernels.moe.grouped_pallas import moe_mlp
 from jaxinfer.kernels.moe.grouping_pallas import group_by_expert
@@ -286,3 +287,41 @@ def test_moe_block_kernel_lowers():
     shapes = [S((2048,), BF16)] * 2 + _MOE_BLOCK_SHAPES[2:] + [S((32,), I32)]  # the kernel takes flat rows
     text = jax.jit(block_mgpu._build(1e-6, True)).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("batch, context, heads, dtype, merged", [
+    (1, 4096, 128, BF16, True),  # DeepSeek-V3 at one sequence: 32 splits, then the merge kernel
+    (128, 2048, 128, BF16, False),  # enough programs at one split: the main kernel writes the output
+    (4, 8192, 16, BF16, True),  # the heads of one shard of 8-way tensor parallelism
+    (3, 4096, 128, jnp.float32, True),
+])
+def test_mla_decode_lowers(batch, context, heads, dtype, merged):
+    pages = context // 64
+    text = _lower_for_gpu(functools.partial(mla_decode_pallas.mla_paged_decode_attention, scale=0.1),
+                          S((batch, heads, 512), dtype), S((batch, heads, 64), dtype),
+                          S((batch * pages + 1, 64, 576), dtype), S((batch, pages), I32), S((batch,), I32))
+    assert "mla_paged_decode_attention" in text
+    assert ("mla_paged_decode_combine" in text) == merged
+
+
+@pytest.mark.parametrize("heads, latent_dim, rope_dim, page_size, tuning", [
+    (4, 32, 16, 4, {}),  # heads padded to 16, one block, one split
+    (12, 128, 32, 16, {"block_keys": 16, "num_splits": 3}),  # 3 splits in 4 merge slots
+    (32, 64, 16, 8, {"block_heads": 16, "block_keys": 16, "num_splits": 1}),  # 2 head blocks, a key loop
+])
+def test_mla_decode_lowers_at_small_shapes(heads, latent_dim, rope_dim, page_size, tuning):
+    text = _lower_for_gpu(functools.partial(mla_decode_pallas.mla_paged_decode_attention, scale=0.1, **tuning),
+                          S((3, heads, latent_dim), jnp.float32), S((3, heads, rope_dim), jnp.float32),
+                          S((20, page_size, latent_dim + rope_dim), jnp.float32), S((3, 6), I32), S((3,), I32))
+    assert "mla_paged_decode_attention" in text
+
+
+def test_mla_decode_kernels_trigger_the_next_launch_early():
+    # The MLA decode kernel and its merge belong to the decode-step families "decode_attention" and
+    # "decode_combine": each triggers at its start unless its family's point says otherwise.
+    fn = functools.partial(mla_decode_pallas.mla_paged_decode_attention, scale=0.1)
+    args = (S((1, 128, 512), BF16), S((1, 128, 64), BF16), S((64, 64, 576), BF16), S((1, 64), I32), S((1,), I32))
+    assert _lower_for_gpu(fn, *args).count(_TRIGGER) == 2
+    for family in ("decode_attention", "decode_combine"):
+        with pdl.trigger_points({family: "none"}):
+            assert _lower_for_gpu(fn, *args).count(_TRIGGER) == 1

@@ -1,7 +1,10 @@
-"""The paged KV cache: its layout (described once), page allocation, and per-step metadata."""
+"""The cache: per-layer specs (``specs``), their layout over one page pool and one slot pool
+(``layout``), page and slot allocation (``allocator``), and per-step metadata (``metadata``)."""
 
-from jaxinfer.cache.allocator import OutOfPagesError, PageAllocator
-from jaxinfer.cache.layout import KVCacheLayout, KVCacheSpec
+from jaxinfer.cache.allocator import OutOfPagesError, PageAllocator, SlotAllocator
+from jaxinfer.cache.layout import CacheLayout
 from jaxinfer.cache.metadata import AttentionMetadata
+from jaxinfer.cache.specs import CacheSpec, PagedKV, PagedLatent, PagedSide, PoolSizes, StateSlots
 
-__all__ = ["AttentionMetadata", "KVCacheLayout", "KVCacheSpec", "OutOfPagesError", "PageAllocator"]
+__all__ = ["AttentionMetadata", "CacheLayout", "CacheSpec", "OutOfPagesError", "PageAllocator", "PagedKV",
+           "PagedLatent", "PagedSide", "PoolSizes", "SlotAllocator", "StateSlots"]

@@ -1,78 +1,116 @@
-"""The cache described once: one ``KVCacheSpec`` per layer, grouped by kind.
+"""The whole cache: every layer's specs (``jaxinfer.cache.specs``) laid out for one page pool and one
+slot pool.
 
-Every attention layer of the dense families keeps K and V pages of the same geometry, so all layers
-share one page pool and one block table per sequence (page ``p`` of a sequence is page ``p`` in
-every layer). Sliding-window layers are a separate group so that a later allocator can free pages
-that slid out of the window; today they keep all their pages, which is correct, only not minimal.
+Layer ``i``'s cache is a dict of the arrays its specs name. All paged arrays share the page pool:
+page ``p`` of a sequence is page ``p`` in every paged layer, listed once in the sequence's block
+table. Every state-slot array has ``num_slots`` slots, one per running sequence. The allocator, the
+scheduler, the runner, the ops and ``jaxinfer info`` all read sizes from here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxinfer.cache.specs import CacheSpec, PoolSizes
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros(shape, dtype, sharding):
+    """A compiled zero-fill for one array geometry (layers of the same geometry share it)."""
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+def _fitting(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
+    """``spec``, or replicated where an axis it splits does not divide evenly over the mesh."""
+    fits = all(axis is None or shape[i] % mesh.shape[axis] == 0 for i, axis in enumerate(spec))
+    return spec if fits else P()
+
 
 @dataclasses.dataclass(frozen=True)
-class KVCacheSpec:
-    kind: str  # "full_attention" | "sliding_attention"
-    num_kv_heads: int
-    head_dim: int
-    sliding_window: int | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class KVCacheLayout:
-    """K/V pages of shape ``[num_kv_heads, num_pages, page_size, head_dim]`` per layer.
-
-    Head-major: one KV head's pages are one contiguous array, so an attention kernel program that
-    serves one KV head indexes pages of that array directly.
-    """
-
-    layer_specs: tuple[KVCacheSpec, ...]
+class CacheLayout:
+    layer_specs: tuple[tuple[CacheSpec, ...], ...]
     page_size: int
     num_pages: int
     dtype: jnp.dtype
+    num_slots: int = 0
 
-    def groups(self) -> dict[KVCacheSpec, list[int]]:
-        out: dict[KVCacheSpec, list[int]] = {}
-        for layer, spec in enumerate(self.layer_specs):
-            out.setdefault(spec, []).append(layer)
-        return out
+    def __post_init__(self):
+        for layer, specs in enumerate(self.layer_specs):
+            names = [name for spec in specs for name in spec.arrays(self.sizes)]
+            if len(names) != len(set(names)):
+                raise ValueError(f"layer {layer}'s cache specs name an array twice: {names}")
+
+    @property
+    def sizes(self) -> PoolSizes:
+        return PoolSizes(self.page_size, self.num_pages, self.num_slots)
+
+    # ---- sizes ---------------------------------------------------------------------------------
 
     @staticmethod
-    def bytes_per_page_for(layer_specs, page_size: int, dtype) -> int:
-        itemsize = np.dtype(dtype).itemsize
-        return sum(2 * page_size * s.num_kv_heads * s.head_dim * itemsize for s in layer_specs)
+    def bytes_per_token_for(layer_specs, dtype) -> int:
+        return sum(spec.bytes_per_token(dtype) for specs in layer_specs for spec in specs)
+
+    @staticmethod
+    def bytes_per_sequence_for(layer_specs, dtype) -> int:
+        """Bytes of state one sequence's slot holds, over all layers."""
+        return sum(spec.bytes_per_sequence(dtype) for specs in layer_specs for spec in specs)
+
+    @staticmethod
+    def needs_slots(layer_specs) -> bool:
+        return any(not spec.paged for specs in layer_specs for spec in specs)
 
     @property
     def bytes_per_page(self) -> int:
-        return self.bytes_per_page_for(self.layer_specs, self.page_size, self.dtype)
+        return self.bytes_per_token_for(self.layer_specs, self.dtype) * self.page_size
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return self.bytes_per_sequence_for(self.layer_specs, self.dtype)
 
     @property
     def total_bytes(self) -> int:
-        return self.bytes_per_page * self.num_pages
+        return self.bytes_per_page * self.num_pages + self.bytes_per_slot * self.num_slots
 
-    def page_shape(self, spec: KVCacheSpec) -> tuple[int, ...]:
-        return (spec.num_kv_heads, self.num_pages, self.page_size, spec.head_dim)
+    def bytes_by_kind(self) -> dict[str, tuple[int, int]]:
+        """{spec kind: (bytes per token, bytes per sequence slot)} summed over the layers."""
+        out: dict[str, tuple[int, int]] = {}
+        for specs in self.layer_specs:
+            for spec in specs:
+                token, seq = out.get(spec.kind, (0, 0))
+                out[spec.kind] = (token + spec.bytes_per_token(self.dtype), seq + spec.bytes_per_sequence(self.dtype))
+        return out
 
-    def sharding(self, mesh: Mesh) -> NamedSharding:
-        # KV heads split over the tensor-parallel axis, like the attention heads that write them.
-        return NamedSharding(mesh, P("model", None, None, None))
+    # ---- arrays --------------------------------------------------------------------------------
 
-    def abstract(self, mesh: Mesh):
-        """ShapeDtypeStructs of the caches: a list, one ``(k, v)`` pair per layer."""
-        sharding = self.sharding(mesh)
+    def layer_arrays(self, layer: int) -> dict[str, tuple[tuple[int, ...], np.dtype, P]]:
+        """{array name: (shape, dtype, partition spec)} of layer ``layer``'s cache."""
+        out = {}
+        for spec in self.layer_specs[layer]:
+            for name, (shape, dtype, pspec) in spec.arrays(self.sizes).items():
+                out[name] = (shape, np.dtype(dtype or self.dtype), pspec)
+        return out
+
+    def abstract(self, mesh: Mesh) -> list[dict[str, jax.ShapeDtypeStruct]]:
+        """ShapeDtypeStructs of the caches, with their shardings: one dict per layer."""
         return [
-            tuple(jax.ShapeDtypeStruct(self.page_shape(s), self.dtype, sharding=sharding) for _ in "kv")
-            for s in self.layer_specs
+            {name: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, _fitting(pspec, shape, mesh)))
+             for name, (shape, dtype, pspec) in self.layer_arrays(layer).items()}
+            for layer in range(len(self.layer_specs))
         ]
 
-    def allocate(self, mesh: Mesh):
-        """Zero-filled caches (zeros, so stale or unused pages can never hold NaNs)."""
-        sharding = self.sharding(mesh)
-        zeros = jax.jit(lambda shape: jnp.zeros(shape, self.dtype), static_argnums=0, out_shardings=sharding)
-        return [(zeros(self.page_shape(s)), zeros(self.page_shape(s))) for s in self.layer_specs]
+    def allocate(self, mesh: Mesh) -> list[dict[str, jax.Array]]:
+        """Zero-filled caches (zeros, so stale or unused pages and slots never hold NaNs), made on the
+        devices in their shardings."""
+        return [{name: _zeros(s.shape, s.dtype, s.sharding)() for name, s in layer.items()}
+                for layer in self.abstract(mesh)]
+
+    def zeros(self) -> list[dict[str, jax.Array]]:
+        """Unsharded zero caches (the research forward, ``jax.eval_shape`` of a model's init)."""
+        return [{name: jnp.zeros(shape, dtype) for name, (shape, dtype, _) in self.layer_arrays(layer).items()}
+                for layer in range(len(self.layer_specs))]

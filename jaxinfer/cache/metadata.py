@@ -1,14 +1,18 @@
-"""What one model step needs to read and write the paged cache.
+"""What one model step needs to read and write its caches, and the one function that builds it.
 
-A step runs ``T`` tokens (padded to a bucket) from ``S`` sequences (padded to a bucket). Token ``t``
-belongs to sequence ``token_seq_ids[t]``, sits at ``positions[t]`` in it, and its K/V go to cache slot
-``slot_mapping[t]`` (``page * page_size + offset``; negative for padding, which is never written).
-Sequence ``s`` holds ``seq_lens[s]`` tokens once this step's are written (0 for padding), its pages
-listed in ``block_tables[s]``. Token ``t`` attends to positions ``<= positions[t]`` of its sequence.
+A step runs ``T`` tokens (padded to a bucket) from ``S`` sequences (padded to a bucket). Sequence
+``s`` brings ``query_start[s+1] - query_start[s]`` new tokens (``query_start`` is the cumulative
+count, cu_seqlens), holds ``seq_lens[s]`` tokens once they are written, lists its pages in
+``block_tables[s]`` and its state slot in ``state_slots[s]`` (-1: none), and ``fresh[s]`` says it
+starts from an empty state (nothing cached yet). Token ``t`` belongs to sequence ``token_seq_ids[t]``,
+sits at ``positions[t]`` in it, and its cache row is ``slot_mapping[t]`` (``page * page_size +
+offset``). Padding tokens belong to no sequence: ``valid[t]`` is False, ``token_seq_ids[t]`` and
+``slot_mapping[t]`` are -1 (a negative slot is never written). Token ``t`` attends to positions
+``<= positions[t]`` of its sequence.
 
-``decode`` (static) says every sequence brings exactly one token, ``T == S`` and token ``s`` belongs
-to sequence ``s``; attention then takes the decode op. ``logits_indices[s]`` is the token row whose
-logits sequence ``s`` samples from (its last token in the step).
+``decode`` (static) says every sequence brings at most one token, ``T == S`` and token ``s`` belongs
+to sequence ``s`` (a finished row of a decode loop is padding); attention then takes the decode op.
+``logits_indices[s]`` is the token row whose logits sequence ``s`` samples from (its last token).
 
 ``step_id`` (an int32 scalar, or None) numbers the model calls of an engine: no two recent calls
 share one. Kernels whose CTAs hand data to each other as flagged words derive their flag from it
@@ -18,19 +22,25 @@ call never pass for this one's; without it those kernels are not used.
 
 from __future__ import annotations
 
-from flax import struct
 import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
 
 
 @struct.dataclass
 class AttentionMetadata:
     positions: jax.Array  # [T] int32
-    slot_mapping: jax.Array  # [T] int32, < 0 for padding
-    token_seq_ids: jax.Array  # [T] int32
+    slot_mapping: jax.Array  # [T] int32, -1 for padding
+    token_seq_ids: jax.Array  # [T] int32, -1 for padding
     block_tables: jax.Array  # [S, pages_per_seq] int32
     seq_lens: jax.Array  # [S] int32
     logits_indices: jax.Array  # [S] int32
     step_id: jax.Array | None = None  # [] int32
+    valid: jax.Array | None = None  # [T] bool
+    query_start: jax.Array | None = None  # [S + 1] int32
+    state_slots: jax.Array | None = None  # [S] int32, -1: none
+    fresh: jax.Array | None = None  # [S] bool
     decode: bool = struct.field(pytree_node=False, default=False)
 
     @property
@@ -40,3 +50,48 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
+
+
+def build_metadata(num_computed, num_new, block_tables, *, page_size: int, num_tokens: int, state_slots=None,
+                   step_id=None, decode: bool = False, xp=np) -> AttentionMetadata:
+    """The step's metadata from per-sequence arrays; ``xp`` is ``numpy`` on the host or
+    ``jax.numpy`` on the device (the decode loop, a traced forward), with the same result.
+
+    ``num_computed [S]``: tokens each sequence has cached before this step; ``num_new [S]``: the
+    tokens it brings (0 for a padding sequence, or a finished row of a decode loop);
+    ``block_tables [S, P]``; ``state_slots [S]`` or None. Sequence ``s``'s new tokens are the token
+    rows ``query_start[s]`` to ``query_start[s+1]``, except with ``decode``, where row ``s`` is
+    sequence ``s``'s token.
+    """
+    int32 = xp.int32
+    num_computed = xp.asarray(num_computed, int32)
+    num_new = xp.asarray(num_new, int32)
+    block_tables = xp.asarray(block_tables, int32)
+    num_seqs = num_computed.shape[0]
+    rows = xp.arange(num_tokens, dtype=int32)
+    if decode:
+        if num_tokens != num_seqs:
+            raise ValueError(f"a decode step has one token row per sequence: {num_tokens} rows, {num_seqs} sequences")
+        query_start = xp.arange(num_seqs + 1, dtype=int32)
+        valid = num_new > 0
+        seq = rows
+        offset = xp.zeros_like(rows)
+    else:
+        query_start = xp.concatenate([xp.zeros((1,), int32), xp.cumsum(num_new).astype(int32)])
+        valid = rows < query_start[-1]
+        seq = xp.minimum(xp.searchsorted(query_start[1:], rows, side="right"), num_seqs - 1).astype(int32)
+        offset = rows - query_start[seq]
+    positions = xp.where(valid, num_computed[seq] + offset, 0).astype(int32)
+    page = xp.take_along_axis(block_tables[seq], (positions // page_size)[:, None], axis=1)[:, 0]
+    slot_mapping = xp.where(valid, page * page_size + positions % page_size, -1).astype(int32)
+    seq_lens = xp.where(num_new > 0, num_computed + num_new, 0).astype(int32)
+    logits_indices = xp.maximum(query_start[1:] - 1, 0).astype(int32) if not decode else xp.arange(num_seqs,
+                                                                                                     dtype=int32)
+    if state_slots is not None:
+        state_slots = xp.asarray(state_slots, int32)
+    return AttentionMetadata(
+        positions=positions, slot_mapping=slot_mapping, token_seq_ids=xp.where(valid, seq, -1).astype(int32),
+        block_tables=block_tables, seq_lens=seq_lens, logits_indices=logits_indices, step_id=step_id,
+        valid=valid, query_start=query_start, state_slots=state_slots, fresh=(num_computed == 0) & (num_new > 0),
+        decode=decode,
+    )

@@ -16,8 +16,8 @@ import threading
 import time
 from collections.abc import Iterable
 
-from jaxinfer.cache.allocator import PageAllocator
-from jaxinfer.cache.layout import KVCacheLayout
+from jaxinfer.cache.allocator import PageAllocator, SlotAllocator
+from jaxinfer.cache.layout import CacheLayout
 from jaxinfer.engine import memory
 from jaxinfer.engine.aot import DECODE, MIXED, BucketGrid, CompileGuard, CompileKey, enable_compilation_cache
 from jaxinfer.engine.config import EngineConfig, bucket_for
@@ -50,7 +50,7 @@ def plan_num_pages(config: EngineConfig, page_bytes: int, available: int | None)
     most_usable = config.max_num_seqs * config.max_pages_per_seq
     num_pages = config.num_pages
     if num_pages is None:
-        num_pages = most_usable if budget is None else min(most_usable, budget // page_bytes)
+        num_pages = most_usable if budget is None or page_bytes == 0 else min(most_usable, budget // page_bytes)
     elif budget is not None and num_pages * page_bytes > budget:
         raise ConfigError(
             f"num_pages={num_pages} pages of {page_bytes / 2**20:.2f} MiB need {num_pages * page_bytes / 2**30:.2f} GiB; "
@@ -67,6 +67,26 @@ def plan_num_pages(config: EngineConfig, page_bytes: int, available: int | None)
     return num_pages
 
 
+def _left_after_slots(available: int | None, slot_bytes: int, config: EngineConfig) -> int | None:
+    """The memory left for pages once every sequence's state slot is set aside; ``ConfigError`` when
+    the slots alone do not fit."""
+    if available is None or slot_bytes == 0:
+        return available
+    if slot_bytes > available * config.kv_cache_memory_fraction:
+        raise ConfigError(
+            f"the per-sequence state of max_num_seqs={config.max_num_seqs} sequences needs {slot_bytes / 2**30:.2f} GiB; "
+            f"{available * config.kv_cache_memory_fraction / 2**30:.2f} GiB are available for the cache: lower max_num_seqs"
+        )
+    return available - slot_bytes
+
+
+def _common_window(layer_specs) -> int | None:
+    """The sliding window every paged layer reads within, or None if some paged layer reads more."""
+    paged = [spec for specs in layer_specs for spec in specs if spec.paged]
+    windows = {getattr(spec, "sliding_window", None) for spec in paged}
+    return windows.pop() if len(windows) == 1 and None not in windows else None
+
+
 class Engine:
     """Serves ``model``. ``generation_defaults``: the checkpoint's generation config, when the caller
     has read it already (else it is read from ``model.path``)."""
@@ -77,15 +97,18 @@ class Engine:
         if config.cache_dir():  # first, so every program of the engine is read from it or written to it
             enable_compilation_cache(config.cache_dir())
         self.model = model
-        specs = model.model_cls.kv_cache_specs(model.config)
-        page_bytes = KVCacheLayout.bytes_per_page_for(specs, config.page_size, model.dtype)
-        config.num_pages = plan_num_pages(config, page_bytes, memory.available_bytes())
+        specs = model.model_cls.cache_specs(model.config)
+        num_slots = config.max_num_seqs if CacheLayout.needs_slots(specs) else 0
+        page_bytes = CacheLayout.bytes_per_token_for(specs, model.dtype) * config.page_size
+        config.num_pages = plan_num_pages(config, page_bytes, _left_after_slots(
+            memory.available_bytes(), CacheLayout.bytes_per_sequence_for(specs, model.dtype) * num_slots, config))
         self.config = config
-        self.layout = KVCacheLayout(specs, config.page_size, config.num_pages, model.dtype)
+        self.layout = CacheLayout(specs, config.page_size, config.num_pages, model.dtype, num_slots)
         self.generation_defaults = generation_defaults or GenerationDefaults.read(model.path, model.config.vocab_size)
         self.eos_token_ids = _eos_token_ids(model, self.generation_defaults, tokenizer)
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(config, PageAllocator(config.num_pages))
+        self.scheduler = Scheduler(config, PageAllocator(config.num_pages), SlotAllocator(num_slots) if num_slots else None,
+                                   window=_common_window(specs))
         self.runner = ModelRunner(model, config, self.layout)
         self.grid = BucketGrid.from_config(config)
         self._next_id = 0

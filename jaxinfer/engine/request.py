@@ -18,8 +18,8 @@ class RequestStatus(enum.Enum):
 class Request:
     """Token bookkeeping: ``all_token_ids = prompt + output``; the first ``num_computed`` of them have
     their K/V in the cache. A running request always has at least one token not yet computed (the
-    last sampled one, in decode), so ``num_pending >= 1``. Preemption drops the pages and sets
-    ``num_computed`` to 0: the request is recomputed from its prompt and outputs.
+    last sampled one, in decode), so ``num_pending >= 1``. Preemption drops the pages and the state
+    slot and sets ``num_computed`` to 0: the request is recomputed from its prompt and outputs.
     """
 
     request_id: int
@@ -33,6 +33,8 @@ class Request:
     output_logprobs: list[dict] = dataclasses.field(default_factory=list)
     num_computed: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)
+    num_released_pages: int = 0  # leading pages given back after they slid out of every layer's window
+    slot: int | None = None  # the state slot, for models with per-sequence state (held while running)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     error: str | None = None  # what failed, when finish_reason is "error"

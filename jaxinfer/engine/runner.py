@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxinfer.cache.layout import KVCacheLayout
-from jaxinfer.cache.metadata import AttentionMetadata
+from jaxinfer.cache.layout import CacheLayout
+from jaxinfer.cache.metadata import AttentionMetadata, build_metadata
 from jaxinfer.engine.aot import DECODE, MIXED, CompileKey
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.request import Request
@@ -40,6 +40,7 @@ class DecodeState:
     remaining: jax.Array  # [S] int32: tokens the sequence may still generate
     stop_ids: jax.Array  # [S, K] int32, -1 padded
     step_id: jax.Array  # [] int32: the first step's ``AttentionMetadata.step_id``
+    state_slots: jax.Array | None = None  # [S] int32: each sequence's state slot (layers with state)
 
 
 def _sampling_rows(requests: list[Request], num_rows: int) -> SamplingBatch:
@@ -60,7 +61,7 @@ def _sampling_rows(requests: list[Request], num_rows: int) -> SamplingBatch:
 
 
 class ModelRunner:
-    def __init__(self, model: LoadedModel, config: EngineConfig, layout: KVCacheLayout):
+    def __init__(self, model: LoadedModel, config: EngineConfig, layout: CacheLayout):
         self.model = model
         self.config = config
         self.layout = layout
@@ -85,7 +86,6 @@ class ModelRunner:
     def _decode_loop(self, params, caches, state: DecodeState, sampling: SamplingBatch):
         num_steps, page_size = self.config.decode_steps, self.layout.page_size
         num_seqs = state.tokens.shape[0]
-        rows = jnp.arange(num_seqs, dtype=jnp.int32)
         out_tokens = jnp.full((num_steps, num_seqs), -1, jnp.int32)
         k = self.config.max_logprobs or 0
         out_logprobs = (jnp.zeros((num_steps, num_seqs), jnp.float32), jnp.zeros((num_steps, num_seqs, k), jnp.int32),
@@ -93,17 +93,9 @@ class ModelRunner:
 
         def step(all_greedy: bool, carry):
             i, caches, st, out_tokens, out_logprobs = carry
-            page = st.block_tables[rows, st.positions // page_size]
-            md = AttentionMetadata(
-                positions=st.positions,
-                slot_mapping=jnp.where(st.active, page * page_size + st.positions % page_size, -1),
-                token_seq_ids=rows,
-                block_tables=st.block_tables,
-                seq_lens=jnp.where(st.active, st.positions + 1, 0),
-                logits_indices=rows,
-                step_id=st.step_id + i,
-                decode=True,
-            )
+            md = build_metadata(st.positions, st.active.astype(jnp.int32), st.block_tables, page_size=page_size,
+                                num_tokens=num_seqs, state_slots=st.state_slots, step_id=st.step_id + i, decode=True,
+                                xp=jnp)
             logits, caches = self.model.model.apply({"params": params}, st.tokens, md, caches)
             tokens, logprobs = sample(logits, sampling.replace(counters=sampling.counters + i),
                                       self.config.max_logprobs, all_greedy)
@@ -140,29 +132,22 @@ class ModelRunner:
     # ---- host-side inputs ----------------------------------------------------------------------
 
     def mixed_inputs(self, key: CompileKey, items: list[tuple[Request, int]]):
-        page_size = self.layout.page_size
         t, s, p = key.num_tokens, key.num_seqs, key.pages_per_seq
         token_ids = np.zeros(t, np.int32)
-        positions = np.zeros(t, np.int32)
-        slots = np.full(t, -1, np.int32)
-        token_seq_ids = np.zeros(t, np.int32)
+        num_computed = np.zeros(s, np.int32)
+        num_new = np.zeros(s, np.int32)
         block_tables = np.zeros((s, p), np.int32)
-        seq_lens = np.zeros(s, np.int32)
-        logits_indices = np.zeros(s, np.int32)
+        state_slots = np.full(s, -1, np.int32) if self.layout.num_slots else None
         offset = 0
         for row, (r, n) in enumerate(items):
-            pos = np.arange(r.num_computed, r.num_computed + n, dtype=np.int32)
-            pages = np.asarray(r.pages, np.int32)
-            token_ids[offset:offset + n] = [r.token_at(int(i)) for i in pos]
-            positions[offset:offset + n] = pos
-            slots[offset:offset + n] = pages[pos // page_size] * page_size + pos % page_size
-            token_seq_ids[offset:offset + n] = row
-            block_tables[row, :len(pages)] = pages
-            seq_lens[row] = r.num_computed + n
-            logits_indices[row] = offset + n - 1
+            token_ids[offset:offset + n] = [r.token_at(i) for i in range(r.num_computed, r.num_computed + n)]
+            num_computed[row], num_new[row] = r.num_computed, n
+            block_tables[row, :len(r.pages)] = r.pages
+            if state_slots is not None:
+                state_slots[row] = r.slot
             offset += n
-        md = AttentionMetadata(positions, slots, token_seq_ids, block_tables, seq_lens, logits_indices,
-                               step_id=self._take_step_ids(1))
+        md = build_metadata(num_computed, num_new, block_tables, page_size=self.layout.page_size, num_tokens=t,
+                            state_slots=state_slots, step_id=self._take_step_ids(1))
         return token_ids, md, _sampling_rows([r for r, _ in items], s)
 
     def decode_inputs(self, key: CompileKey, requests: list[Request]):
@@ -180,8 +165,12 @@ class ModelRunner:
             active[row] = True
             remaining[row] = r.remaining_output
             stop_ids[row, :len(r.stop_ids)] = r.stop_ids
+        state_slots = None
+        if self.layout.num_slots:
+            state_slots = np.full(s, -1, np.int32)
+            state_slots[:len(requests)] = [r.slot for r in requests]
         state = DecodeState(tokens, positions, block_tables, active, remaining, stop_ids,
-                            self._take_step_ids(self.config.decode_steps))
+                            self._take_step_ids(self.config.decode_steps), state_slots)
         return state, _sampling_rows(requests, s)
 
     def _take_step_ids(self, count: int) -> np.ndarray:

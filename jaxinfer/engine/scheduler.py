@@ -8,8 +8,11 @@ Each call is either
   requests, when every one of them is decoding.
 
 Pages are allocated before the call for every token it may write. When the pool runs dry the
-newest running request is preempted (pages freed, recomputed later from its tokens); no request is
-ever dropped. New requests are admitted first-come first-served while sequence slots and pages last.
+newest running request is preempted (pages and state slot freed, recomputed later from its tokens);
+no request is ever dropped. New requests are admitted first-come first-served while sequence slots,
+pages and (for models with per-sequence state) state slots last. Where every paged layer reads only
+a sliding window, a sequence's pages that slid out of it go back to the pool before each step, so
+a sequence holds a bounded number of pages however long it grows.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from jaxinfer.cache.allocator import PageAllocator
+from jaxinfer.cache.allocator import PageAllocator, SlotAllocator
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.request import Request, RequestStatus
 
@@ -38,9 +41,15 @@ class DecodeBatch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, allocator: PageAllocator):
+    """``window``: the sliding window every paged layer reads within, or None when some layer reads
+    its whole context (pages then live as long as their sequence)."""
+
+    def __init__(self, config: EngineConfig, allocator: PageAllocator, slots: SlotAllocator | None = None,
+                 window: int | None = None):
         self.config = config
         self.allocator = allocator
+        self.slots = slots  # None: the model keeps no per-sequence state
+        self.window = window
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
 
@@ -60,9 +69,16 @@ class Scheduler:
         request.pages.extend(self.allocator.allocate(need))
         return True
 
-    def _preempt(self, request: Request) -> None:
-        self.allocator.free(request.pages)
+    def _release(self, request: Request) -> None:
+        self.allocator.free(request.pages[request.num_released_pages:])
         request.pages = []
+        request.num_released_pages = 0
+        if self.slots is not None:
+            self.slots.free(request.slot)
+        request.slot = None
+
+    def _preempt(self, request: Request) -> None:
+        self._release(request)
         request.num_computed = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
@@ -79,9 +95,8 @@ class Scheduler:
         return True
 
     def finish(self, request: Request, reason: str) -> None:
-        """End ``request`` (running or waiting) with ``reason``; its pages go back to the pool."""
-        self.allocator.free(request.pages)
-        request.pages = []
+        """End ``request`` (running or waiting) with ``reason``; its pages and slot go back to the pools."""
+        self._release(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         if request in self.running:
@@ -98,15 +113,31 @@ class Scheduler:
         for request in reversed(list(self.running)):
             self._preempt(request)
 
+    def _release_slid_out(self, request: Request) -> None:
+        """Give back the leading pages no later token can see: a query at position ``>= num_computed``
+        reads keys after ``position - window``, so page ``p`` is dead once ``(p + 1) * page_size <=
+        num_computed - window + 1``. Its block-table entry stays (attention masks it out)."""
+        dead = max(0, (request.num_computed - self.window + 1) // self.config.page_size)
+        dead = min(dead, len(request.pages))
+        if dead > request.num_released_pages:
+            self.allocator.free(request.pages[request.num_released_pages:dead])
+            request.num_released_pages = dead
+
     def schedule(self) -> MixedBatch | DecodeBatch | None:
         if not self.has_work():
             return None
+        if self.window is not None:
+            for request in self.running:
+                self._release_slid_out(request)
         if any(r.num_pending > 1 for r in self.running) or self._can_admit():
             return self._schedule_mixed()
         return self._schedule_decode()
 
+    def _slot_free(self) -> bool:
+        return self.slots is None or self.slots.num_free > 0
+
     def _can_admit(self) -> bool:
-        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs or not self._slot_free():
             return False
         head = self.waiting[0]
         first_chunk = min(head.num_pending, self.config.max_num_batched_tokens)
@@ -122,12 +153,14 @@ class Scheduler:
             if self._grow_or_preempt(request, request.num_computed + n):
                 items.append((request, n))
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and self._slot_free():
             request = self.waiting[0]
             n = min(request.num_pending, budget)
             if not self._try_grow(request, request.num_computed + n):
                 break
             self.waiting.popleft()
+            if self.slots is not None:
+                request.slot = self.slots.allocate()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             items.append((request, n))

@@ -14,7 +14,7 @@ from typing import ClassVar
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jaxinfer.cache.layout import KVCacheSpec
+from jaxinfer.cache.specs import CacheSpec
 from jaxinfer.config import ModelConfig
 
 _LAYER_INDEX = re.compile(r"^(.*)_(\d+)$")
@@ -25,7 +25,6 @@ class CausalLM(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
     # Capability flags.
-    has_recurrent_state: ClassVar[bool] = False  # linear-attention state slots besides the KV pages
     supports_tensor_parallel: ClassVar[bool] = True
     supports_expert_parallel: ClassVar[bool] = False
     # Checkpoint tensors that are derived buffers, not parameters (regexes over HF names).
@@ -45,7 +44,8 @@ class CausalLM(nn.Module):
         check_layout(checkpoint, config)
 
     @classmethod
-    def kv_cache_specs(cls, config: ModelConfig) -> tuple[KVCacheSpec, ...]:
+    def cache_specs(cls, config: ModelConfig) -> tuple[tuple[CacheSpec, ...], ...]:
+        """What each layer keeps between steps (``jaxinfer.cache.specs``): one tuple of specs per layer."""
         raise NotImplementedError
 
     @classmethod

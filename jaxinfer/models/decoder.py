@@ -1,55 +1,78 @@
-"""The decoder-only transformer every family composes: embeddings, layers of (attention, MLP or MoE)
-with pre-norm residuals, final norm, LM head.
+"""The decoder-only transformer every family composes: embeddings, layers, final norm, LM head.
 
-A family describes itself with a ``DecoderSpec`` built from its config (which biases, which q/k
-norm, sinks, which layers slide, which layers are sparse and how they route); ``DecoderForCausalLM``
-does the rest. Families subclass it and implement ``spec``, plus ``checkpoint_sources`` where their
+A layer is three choices (``LayerSpec``): a **mixer** (GQA attention, MLA, ...; each in its own file
+under ``models/layers/``, declaring the cache it keeps), a **feed-forward** (a gated MLP or an MoE
+block), and a **residual scheme** (``PreNorm``: HF's ``x + f(norm(x))``, whose add + norm fuses with
+the projections after it; ``Sandwich``: the sublayer's output normalised again before the add).
+A family describes itself with a ``DecoderSpec`` built from its config; ``DecoderForCausalLM`` does
+the rest. Families subclass it and implement ``spec``, plus ``checkpoint_sources`` where their
 checkpoint layout differs from the parameter tree.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jaxinfer.cache.layout import KVCacheSpec
 from jaxinfer.cache.metadata import AttentionMetadata
+from jaxinfer.cache.specs import CacheSpec
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import ConfigError
 from jaxinfer.kernels.moe import flag_words
 from jaxinfer.models.base import CausalLM
 from jaxinfer.models.layers.activations import get_activation
-from jaxinfer.models.layers.attention import PagedGQAttention
+from jaxinfer.models.layers.attention import GQA
 from jaxinfer.models.layers.linear import Embedding, Linear
 from jaxinfer.models.layers.mlp import GatedMLP
 from jaxinfer.models.layers.moe import MoESpec, SparseMoE
 from jaxinfer.models.layers.norm import NormWeight, PreNorm, RMSNorm
-from jaxinfer.models.layers.rope import RotaryEmbedding
+
+@dataclasses.dataclass(frozen=True)
+class DenseMLP:
+    """The gated MLP feed-forward; size and activation default to the config's."""
+
+    bias: bool = False
+    intermediate_size: int | None = None
+    activation: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
-class AttentionSpec:
-    qkv_bias: bool = False
-    o_bias: bool = False
-    qk_norm: str | None = None  # None, "head" or "full" (see PagedGQAttention)
-    sinks: bool = False
-    sliding_window: int | None = None
+class NormStyle:
+    """The RMSNorm flavour of a decoder's norms (``jaxinfer.kernels.math.rms_norm``)."""
+
+    unit_offset: bool = False  # x * (1 + w) (Gemma, Qwen3-Next)
+    float32_weight: bool = False  # the weight multiplied in float32 (GPT-OSS)
+
+
+@dataclasses.dataclass(frozen=True)
+class PreNormResidual:
+    """HF's pre-norm block: ``h = x + mixer(norm(x))``, ``out = h + ffn(norm(h))``; norms
+    ``input_layernorm`` and ``post_attention_layernorm``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SandwichResidual:
+    """Gemma's: each sublayer's output is normalised again before the add,
+    ``h = x + post_attention_layernorm(mixer(input_layernorm(x)))``,
+    ``out = h + post_feedforward_layernorm(ffn(pre_feedforward_layernorm(h)))``."""
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
-    attention: AttentionSpec
-    moe: MoESpec | None = None  # None: a dense gated MLP
-    mlp_bias: bool = False
-    mlp_name: str = "mlp"  # the MLP / MoE block's module name in the checkpoint
+    mixer: Any  # a mixer spec (GQA, MLA, ...): cache_specs(config), rotary(config), module(config, dtype)
+    ffn: DenseMLP | MoESpec = DenseMLP()
+    residual: PreNormResidual | SandwichResidual = PreNormResidual()
+    ffn_name: str = "mlp"  # the MLP / MoE block's module name in the checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
 class DecoderSpec:
     layers: tuple[LayerSpec, ...]
-    norm_float32_weight: bool = False  # RMSNorm multiplies its weight in float32 (GPT-OSS)
+    norm: NormStyle = NormStyle()
+    embed_scale: bool = False  # embeddings x sqrt(hidden_size), the factor rounded to the weight dtype (Gemma)
 
 
 def sliding_window(config: ModelConfig) -> int | None:
@@ -75,59 +98,80 @@ def layer_windows(config: ModelConfig) -> tuple[int | None, ...]:
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm block. It takes the previous block's output and the residual stream separately
-    (``residual=None`` for the first layer) and returns them the same way, so each residual add is
-    fused with the RMSNorm after it: HF's ``x = residual + out; norm(x)`` in one op
-    (``RMSNorm(x, residual)``), and where the norm feeds several projections (q/k/v, a dense MLP's
-    gate/up), in one op with them (``PreNorm``)."""
+    """One layer: its mixer and feed-forward, joined by its residual scheme.
+
+    With ``PreNormResidual`` the layer takes the previous layer's output and the residual stream
+    separately (``residual=None`` for the first layer) and returns them the same way, so each
+    residual add is fused with the RMSNorm after it (``RMSNorm(x, residual)``), and where the norm
+    feeds several projections (q/k/v, a dense MLP's gate/up), in one op with them (``PreNorm``).
+    ``SandwichResidual`` returns the summed stream as ``x`` and ``residual=None``.
+    """
 
     config: ModelConfig
     spec: LayerSpec
-    norm_float32_weight: bool
+    norm: NormStyle
     param_dtype: jnp.dtype
 
+    def _rms_norm(self, name: str) -> RMSNorm:
+        return RMSNorm(self.config.rms_norm_eps, unit_offset=self.norm.unit_offset,
+                       float32_weight=self.norm.float32_weight, param_dtype=self.param_dtype, name=name)
+
+    def _pre_norm(self, name: str, residual, size: int) -> PreNorm:
+        """An add + norm left for the projections after it to apply, in one op with them."""
+        init = "zeros" if self.norm.unit_offset else "ones"
+        weight = NormWeight(size, self.param_dtype, init=init, name=name)()
+        return PreNorm(residual, weight, self.config.rms_norm_eps, unit_offset=self.norm.unit_offset,
+                       float32_weight=self.norm.float32_weight)
+
+    def _dense_mlp(self, x, prenorm=None):
+        c, ffn = self.config, self.spec.ffn
+        mlp = GatedMLP(ffn.intermediate_size or c.intermediate_size, ffn.activation or c.hidden_act, ffn.bias,
+                       self.param_dtype, name=self.spec.ffn_name)
+        return mlp(x, prenorm)
+
     @nn.compact
-    def __call__(self, x, residual, cos, sin, kv_cache, md, flag=None):
-        """-> (x, residual, kv_cache, flag). ``flag``: the flag words of a one-token MoE block kernel
+    def __call__(self, x, residual, cache: dict, md, rotary, flag=None):
+        """-> (x, residual, cache, flag). ``flag``: the flag words of a one-token MoE block kernel
         (``jaxinfer.kernels.moe.flag_words``), handed from layer to layer."""
-        c, spec, attn = self.config, self.spec, self.spec.attention
+        mixer = self.spec.mixer.module(self.config, self.param_dtype)
+        if isinstance(self.spec.residual, SandwichResidual):
+            return self._sandwich(mixer, x, residual, cache, md, rotary, flag)
+        return self._pre_norm_block(mixer, x, residual, cache, md, rotary, flag)
 
-        def pre_norm(name, residual):  # applied by the projections after it, in one op with them
-            weight = NormWeight(x.shape[-1], self.param_dtype, name=name)()
-            return PreNorm(residual, weight, c.rms_norm_eps, float32_weight=self.norm_float32_weight)
-
-        attention = PagedGQAttention(
-            num_heads=c.num_attention_heads,
-            num_kv_heads=c.num_key_value_heads,
-            head_dim=c.head_dim,
-            qkv_bias=attn.qkv_bias,
-            o_bias=attn.o_bias,
-            qk_norm_eps=c.rms_norm_eps if attn.qk_norm else None,
-            qk_norm=attn.qk_norm or "head",
-            sinks=attn.sinks,
-            sliding_window=attn.sliding_window,
-            param_dtype=self.param_dtype,
-            name="self_attn",
-        )
-        attn_out, kv_cache, residual = attention(x, cos, sin, kv_cache, md, pre_norm("input_layernorm", residual))
-        if spec.moe is None:
-            mlp = GatedMLP(c.intermediate_size, c.hidden_act, spec.mlp_bias, self.param_dtype, name=spec.mlp_name)
-            out, residual = mlp(attn_out, pre_norm("post_attention_layernorm", residual))
-            return out, residual, kv_cache, flag
-        moe = SparseMoE(spec.moe, c.hidden_act, self.param_dtype, name=spec.mlp_name)
-        if SparseMoE.takes_whole_block(spec.moe, attn_out.shape[0]) and not self.norm_float32_weight:
+    def _pre_norm_block(self, mixer, x, residual, cache, md, rotary, flag):
+        c, spec = self.config, self.spec
+        attn_out, cache, residual = mixer(x, cache, md, rotary, self._pre_norm("input_layernorm", residual,
+                                                                                 x.shape[-1]))
+        if isinstance(spec.ffn, DenseMLP):
+            out, residual = self._dense_mlp(attn_out, self._pre_norm("post_attention_layernorm", residual,
+                                                                     x.shape[-1]))
+            return out, residual, cache, flag
+        moe = SparseMoE(spec.ffn, c.hidden_act, self.param_dtype, name=spec.ffn_name)
+        if SparseMoE.takes_whole_block(spec.ffn, attn_out.shape[0]) and self.norm == NormStyle():
             # One token: the add, the norm, the block and the residual add after it as one op (one
             # kernel on the GPU where it fits), its hand-off words flagged per call and layer. Its
             # output is the whole residual stream: the next layer adds nothing to it.
             weight = NormWeight(x.shape[-1], self.param_dtype, name="post_attention_layernorm")()
             stream, flag = moe(attn_out, block=(residual, weight, c.rms_norm_eps, flag))
-            return stream, None, kv_cache, flag
+            return stream, None, cache, flag
         # Otherwise the router is a single projection, which stays XLA's after the add + norm kernel.
         # Folding the norm into the routing kernel, the gate + up kernel or the router's projection
         # kernel measured slower (docs/performance.md).
-        h, residual = RMSNorm(c.rms_norm_eps, float32_weight=self.norm_float32_weight, param_dtype=self.param_dtype,
-                              name="post_attention_layernorm")(attn_out, residual)
-        return moe(h), residual, kv_cache, flag
+        h, residual = self._rms_norm("post_attention_layernorm")(attn_out, residual)
+        return moe(h), residual, cache, flag
+
+    def _sandwich(self, mixer, x, residual, cache, md, rotary, flag):
+        c, spec = self.config, self.spec
+        if residual is not None:  # the previous layer handed its stream over unsummed
+            x = x + residual
+        attn_out, cache, _ = mixer(self._rms_norm("input_layernorm")(x), cache, md, rotary)
+        h = x + self._rms_norm("post_attention_layernorm")(attn_out)
+        ffn_in = self._rms_norm("pre_feedforward_layernorm")(h)
+        if isinstance(spec.ffn, DenseMLP):
+            ffn_out, _ = self._dense_mlp(ffn_in)
+        else:
+            ffn_out = SparseMoE(spec.ffn, c.hidden_act, self.param_dtype, name=spec.ffn_name)(ffn_in)
+        return h + self._rms_norm("post_feedforward_layernorm")(ffn_out), None, cache, flag
 
 
 class DecoderModel(nn.Module):
@@ -142,18 +186,26 @@ class DecoderModel(nn.Module):
         c = self.config
         embed = Embedding(c.vocab_size, c.hidden_size, self.param_dtype, name="embed_tokens")
         x = embed(token_ids)
-        rope = RotaryEmbedding(c.rope, c.head_dim, c.max_position_embeddings)
-        cos, sin = rope.cos_sin(md.positions, md.seq_lens[md.token_seq_ids])
+        if self.spec.embed_scale:  # HF rounds the factor to the weight dtype first
+            x = x * jnp.asarray(c.hidden_size ** 0.5, self.param_dtype)
+        # Each distinct RoPE the layers need, computed once per step.
+        seq_len_of_token = md.seq_lens[md.token_seq_ids]
+        tables = {}
+        for layer in self.spec.layers:
+            rotary = layer.mixer.rotary(c)
+            if rotary is not None and rotary not in tables:
+                tables[rotary] = rotary.cos_sin(md.positions, seq_len_of_token)
         new_caches, residual = [], None
         # A one-token MoE block kernel's flag: unique to each layer of each call (the step id times
         # the layer count, plus one per layer that used it).
         flag = None if md.step_id is None else flag_words(md.step_id * len(self.spec.layers))
         for i, layer in enumerate(self.spec.layers):
-            x, residual, kv, flag = DecoderLayer(c, layer, self.spec.norm_float32_weight, self.param_dtype,
-                                                 name=f"layers_{i}")(x, residual, cos, sin, caches[i], md, flag)
-            new_caches.append(kv)
-        final_norm = RMSNorm(c.rms_norm_eps, float32_weight=self.spec.norm_float32_weight,
-                             param_dtype=self.param_dtype, name="norm")
+            rotary = layer.mixer.rotary(c)
+            x, residual, cache, flag = DecoderLayer(c, layer, self.spec.norm, self.param_dtype, name=f"layers_{i}")(
+                x, residual, caches[i], md, tables.get(rotary), flag)
+            new_caches.append(cache)
+        final_norm = RMSNorm(c.rms_norm_eps, unit_offset=self.spec.norm.unit_offset,
+                             float32_weight=self.spec.norm.float32_weight, param_dtype=self.param_dtype, name="norm")
         x = final_norm(x) if residual is None else final_norm(x, residual)[0]
         return x, embed, new_caches
 
@@ -168,20 +220,14 @@ class DecoderForCausalLM(CausalLM):
     @classmethod
     def validate_config(cls, config: ModelConfig) -> None:
         get_activation(config.hidden_act)
-        config.rope.check_rotary_dim(config.head_dim)
-        cls.spec(config)
+        for layer in cls.spec(config).layers:
+            rotary = layer.mixer.rotary(config)
+            if rotary is not None:
+                rotary.rope.check_rotary_dim(rotary.head_dim)
 
     @classmethod
-    def kv_cache_specs(cls, config: ModelConfig) -> tuple[KVCacheSpec, ...]:
-        return tuple(
-            KVCacheSpec(
-                kind="sliding_attention" if layer.attention.sliding_window else "full_attention",
-                num_kv_heads=config.num_key_value_heads,
-                head_dim=config.head_dim,
-                sliding_window=layer.attention.sliding_window,
-            )
-            for layer in cls.spec(config).layers
-        )
+    def cache_specs(cls, config: ModelConfig) -> tuple[tuple[CacheSpec, ...], ...]:
+        return tuple(layer.mixer.cache_specs(config) for layer in cls.spec(config).layers)
 
     @classmethod
     def ignored_checkpoint_keys_for(cls, config: ModelConfig) -> tuple[str, ...]:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import ConfigError
-from jaxinfer.models.decoder import (AttentionSpec, DecoderForCausalLM, DecoderSpec, LayerSpec, layer_windows,
+from jaxinfer.models.decoder import (DecoderForCausalLM, DecoderSpec, DenseMLP, LayerSpec, layer_windows,
                                      sliding_window)
+from jaxinfer.models.layers.attention import GQA
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -41,13 +42,13 @@ class DenseDecoderForCausalLM(DecoderForCausalLM):
         mlp_bias = config.bool_field("mlp_bias", default=False) if kind == "llama" else False
         return DecoderSpec(tuple(
             LayerSpec(
-                AttentionSpec(
+                GQA(
                     qkv_bias=True if kind == "qwen2" else attention_bias,
                     o_bias=False if kind == "qwen2" else attention_bias,
                     qk_norm="head" if kind == "qwen3" else None,
                     sliding_window=w,
                 ),
-                mlp_bias=mlp_bias,
+                DenseMLP(bias=mlp_bias),
             )
             for w in _windows(config)
         ))

@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.decoder import AttentionSpec, DecoderForCausalLM, DecoderSpec, LayerSpec, layer_windows
+from jaxinfer.models.decoder import DecoderForCausalLM, DecoderSpec, LayerSpec, NormStyle, layer_windows
+from jaxinfer.models.layers.attention import GQA
 from jaxinfer.models.layers.moe import MoESpec
 from jaxinfer.weights import Derived, Tensor
 
@@ -73,9 +74,9 @@ class GptOssForCausalLM(DecoderForCausalLM):
                       alpha=config.float_field("swiglu_alpha", default=1.702),
                       limit=config.float_field("swiglu_limit", default=7.0, gt=0))
         return DecoderSpec(
-            tuple(LayerSpec(AttentionSpec(qkv_bias=bias, o_bias=bias, sinks=True, sliding_window=w), moe)
+            tuple(LayerSpec(GQA(qkv_bias=bias, o_bias=bias, sinks=True, sliding_window=w), moe)
                   for w in layer_windows(config)),
-            norm_float32_weight=True,
+            norm=NormStyle(float32_weight=True),
         )
 
     @classmethod

@@ -7,7 +7,8 @@ Experts are Mixtral-style on disk: ``block_sparse_moe.experts.{e}.{w1,w3,w2}.wei
 from __future__ import annotations
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.decoder import AttentionSpec, DecoderForCausalLM, DecoderSpec, LayerSpec
+from jaxinfer.models.decoder import DecoderForCausalLM, DecoderSpec, LayerSpec
+from jaxinfer.models.layers.attention import GQA
 from jaxinfer.models.layers.moe import MoESpec
 from jaxinfer.models.moe_checkpoints import check_expert_count, per_expert_sources
 
@@ -17,12 +18,12 @@ class MiniMaxM2ForCausalLM(DecoderForCausalLM):
 
     @classmethod
     def spec(cls, config: ModelConfig) -> DecoderSpec:
-        attention = AttentionSpec(qk_norm="full")
+        attention = GQA(qk_norm="full")
         num_experts = config.int_field("num_local_experts", "num_experts", ge=1)
         moe = MoESpec(num_experts=num_experts, top_k=config.int_field("num_experts_per_tok", ge=1, le=num_experts),
                       intermediate_size=config.int_field("intermediate_size", ge=1), router="sigmoid_bias",
                       norm_topk_prob=True)
-        return DecoderSpec(tuple(LayerSpec(attention, moe, mlp_name="block_sparse_moe")
+        return DecoderSpec(tuple(LayerSpec(attention, moe, ffn_name="block_sparse_moe")
                                  for _ in range(config.num_hidden_layers)))
 
     @classmethod

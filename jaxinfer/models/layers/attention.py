@@ -1,15 +1,46 @@
-"""Grouped-query self-attention over the paged KV cache (full or sliding window)."""
+"""The GQA attention mixer: grouped-query self-attention over the paged KV cache (full or sliding
+window). ``GQA`` is the layer's choice of it (what the family's config sets) and declares the cache
+the layer keeps; ``PagedGQAttention`` is the module."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxinfer.cache.metadata import AttentionMetadata
+from jaxinfer.cache.specs import PagedKV
 from jaxinfer.kernels import attention as attention_ops
 from jaxinfer.kernels import linear as linear_ops
 from jaxinfer.models.layers.linear import Linear, LinearParams
 from jaxinfer.models.layers.norm import NormWeight, PreNorm, RMSNorm
+from jaxinfer.models.layers.rope import RotaryEmbedding
+
+
+@dataclasses.dataclass(frozen=True)
+class GQA:
+    """A GQA attention mixer as a family configures it; heads, head_dim and RoPE come from the config."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: str | None = None  # None, "head" or "full" (see PagedGQAttention)
+    sinks: bool = False
+    sliding_window: int | None = None
+    name: str = "self_attn"  # the module's name in the checkpoint
+
+    def cache_specs(self, config) -> tuple[PagedKV, ...]:
+        return (PagedKV(config.num_key_value_heads, config.head_dim, self.sliding_window),)
+
+    def rotary(self, config) -> RotaryEmbedding:
+        return RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
+
+    def module(self, config, param_dtype) -> "PagedGQAttention":
+        return PagedGQAttention(
+            num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
+            qkv_bias=self.qkv_bias, o_bias=self.o_bias, qk_norm_eps=config.rms_norm_eps if self.qk_norm else None,
+            qk_norm=self.qk_norm or "head", sinks=self.sinks, sliding_window=self.sliding_window,
+            param_dtype=param_dtype, name=self.name)
 
 
 class PagedGQAttention(nn.Module):
@@ -34,8 +65,10 @@ class PagedGQAttention(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x, cos, sin, kv_cache, md: AttentionMetadata, prenorm: PreNorm | None = None):
-        """-> (output, the updated cache, the residual stream after ``prenorm``'s add; None without one)."""
+    def __call__(self, x, cache: dict, md: AttentionMetadata, rotary: tuple, prenorm: PreNorm | None = None):
+        """``cache``: {"k", "v"}; ``rotary``: (cos, sin) of this mixer's RoPE. -> (output, the updated
+        cache, the residual stream after ``prenorm``'s add; None without one)."""
+        cos, sin = rotary
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = [LinearParams(n, self.qkv_bias, self.param_dtype, name=name)(x.shape[-1])
@@ -63,10 +96,11 @@ class PagedGQAttention(nn.Module):
             options["sinks"] = self.param("sinks", nn.initializers.normal(0.02), (self.num_heads,), self.param_dtype)
         if md.decode:  # one op: on the GPU the attention kernel also normalises, rotates and writes the cache
             out, k_cache, v_cache = attention_ops.rotary_paged_decode_attention(
-                q, k, v, cos, sin, *kv_cache, md.slot_mapping, md.block_tables, md.seq_lens, **norms, **options)
+                q, k, v, cos, sin, cache["k"], cache["v"], md.slot_mapping, md.block_tables, md.seq_lens, **norms,
+                **options)
         else:
-            q, k_cache, v_cache = attention_ops.rotary_cache_write(q, k, v, cos, sin, *kv_cache, md.slot_mapping,
-                                                                   **norms)
+            q, k_cache, v_cache = attention_ops.rotary_cache_write(q, k, v, cos, sin, cache["k"], cache["v"],
+                                                                   md.slot_mapping, **norms)
             out = attention_ops.ragged_paged_attention(q, k_cache, v_cache, md, **options)
         out = Linear(x.shape[-1], self.o_bias, self.param_dtype, name="o_proj")(out.reshape(t, q_size))
-        return out, (k_cache, v_cache), residual
+        return out, {"k": k_cache, "v": v_cache}, residual

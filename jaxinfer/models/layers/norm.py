@@ -34,15 +34,17 @@ class RMSNorm(nn.Module):
 
 
 class NormWeight(nn.Module):
-    """An RMSNorm's weight alone (initialised to ones, at ``<name>/weight`` as RMSNorm keeps it), for
-    ops that apply the norm themselves."""
+    """An RMSNorm's weight alone (at ``<name>/weight`` as RMSNorm keeps it; initialised to ones, or to
+    zeros for a ``unit_offset`` norm), for ops that apply the norm themselves."""
 
     size: int
     param_dtype: jnp.dtype = jnp.float32
+    init: str = "ones"  # "ones" or "zeros"
 
     @nn.compact
     def __call__(self):
-        return self.param("weight", nn.initializers.ones, (self.size,), self.param_dtype)
+        init = nn.initializers.zeros if self.init == "zeros" else nn.initializers.ones
+        return self.param("weight", init, (self.size,), self.param_dtype)
 
 
 class PreNorm(NamedTuple):
