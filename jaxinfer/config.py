@@ -218,12 +218,18 @@ class ModelConfig:
     rms_norm_eps: float
     hidden_act: str
     tie_word_embeddings: bool
-    rope: RopeConfig
+    rope: RopeConfig  # with per-layer-type rope_parameters: the full-attention layers'
     dtype: str | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    rope_by_layer_type: tuple[tuple[str, RopeConfig], ...] = ()  # (layer type, its RoPE) where they differ
     extra: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
     hf: Any = dataclasses.field(default=None, compare=False, repr=False)  # the transformers config object
+
+    def rope_for(self, layer_type: str | None) -> RopeConfig:
+        """The RoPE of layers of ``layer_type`` ("sliding_attention", ...): its own where
+        ``rope_parameters`` is given per layer type, else the model's one."""
+        return dict(self.rope_by_layer_type).get(layer_type, self.rope)
 
     # ---- typed reads of any other field ------------------------------------------------------------
 
@@ -283,10 +289,6 @@ class ModelConfig:
                              "max_position_embeddings")}
         heads = sizes["num_attention_heads"]
         kv_heads = checks.integer(raw.get("num_key_value_heads") or heads, "num_key_value_heads", ge=1)
-        if heads % kv_heads:
-            raise ConfigError(
-                f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
-            )
         if raw.get("head_dim") is not None:
             head_dim = checks.integer(raw["head_dim"], "head_dim", ge=1)
         elif sizes["hidden_size"] < heads:
@@ -299,6 +301,10 @@ class ModelConfig:
         if not isinstance(hidden_act, str):
             raise ConfigError(f"hidden_act must be an activation name, got {hidden_act!r}")
         dtype = raw.get("dtype", raw.get("torch_dtype"))
+        ropes = {}  # rope_parameters given per layer type (Gemma3: local and global RoPE)
+        params = raw.get("rope_parameters")
+        if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+            ropes = {kind: RopeConfig.from_hf(v, sizes["max_position_embeddings"]) for kind, v in params.items()}
         return cls(
             architecture=architectures[0],
             model_type=raw.get("model_type", ""),
@@ -313,8 +319,9 @@ class ModelConfig:
             rms_norm_eps=checks.number(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps", gt=0),
             hidden_act=hidden_act,
             tie_word_embeddings=checks.boolean(raw.get("tie_word_embeddings", False), "tie_word_embeddings"),
-            rope=RopeConfig.from_hf(raw.get("rope_parameters") or {"rope_theta": 10000.0},
-                                    sizes["max_position_embeddings"]),
+            rope=ropes.get("full_attention", next(iter(ropes.values()))) if ropes else RopeConfig.from_hf(
+                raw.get("rope_parameters") or {"rope_theta": 10000.0}, sizes["max_position_embeddings"]),
+            rope_by_layer_type=tuple(sorted(ropes.items())),
             dtype=str(dtype) if dtype is not None else None,
             bos_token_id=checks.optional(checks.integer, raw.get("bos_token_id"), "bos_token_id", ge=0),
             eos_token_ids=eos_id_list(raw.get("eos_token_id"), "eos_token_id", sizes["vocab_size"]),

@@ -22,7 +22,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.errors import ConfigError, InvalidRequestError
 from jaxinfer.registry import ModelRegistry
 from jaxinfer.sharding import make_mesh
-from jaxinfer.weights import SafetensorsCheckpoint, load_params
+from jaxinfer.weights import TEXT_MODEL_LAYOUTS, SafetensorsCheckpoint, load_params
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -112,6 +112,7 @@ def open_checkpoint(path: str | os.PathLike):
     config = ModelConfig.from_pretrained(folder)
     model_cls = ModelRegistry.resolve(config.architecture)
     checkpoint = SafetensorsCheckpoint(folder)
+    checkpoint.use_layout(TEXT_MODEL_LAYOUTS)
     model_cls.check_checkpoint_layout(config, checkpoint)
     model_cls.validate_config(config)
     return config, model_cls, checkpoint

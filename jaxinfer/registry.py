@@ -14,6 +14,7 @@ import importlib
 from jaxinfer.errors import UnsupportedArchitectureError
 
 _DENSE = "jaxinfer.models.dense:DenseDecoderForCausalLM"
+_DEEPSEEK_V3 = "jaxinfer.models.deepseek_v3:DeepseekV3ForCausalLM"
 _BUILTIN_MODELS: dict[str, str] = {
     "LlamaForCausalLM": _DENSE,
     "MistralForCausalLM": _DENSE,
@@ -22,6 +23,10 @@ _BUILTIN_MODELS: dict[str, str] = {
     "Qwen3MoeForCausalLM": "jaxinfer.models.qwen3_moe:Qwen3MoeForCausalLM",
     "MiniMaxM2ForCausalLM": "jaxinfer.models.minimax_m2:MiniMaxM2ForCausalLM",
     "GptOssForCausalLM": "jaxinfer.models.gpt_oss:GptOssForCausalLM",
+    "Gemma3ForCausalLM": "jaxinfer.models.gemma3:Gemma3ForCausalLM",
+    "DeepseekV3ForCausalLM": _DEEPSEEK_V3,
+    "SarvamMLAForCausalLM": _DEEPSEEK_V3,  # model_type sarvam_mla: DeepSeek-V3 underneath
+    "Kimi_K25ForConditionalGeneration": _DEEPSEEK_V3,  # its text model (text_config) is DeepSeek-V3
 }
 
 

@@ -47,13 +47,22 @@ TINY_FAMILIES: dict[str, dict] = {
                        num_experts_per_tok=2, rotary_dim=8),
     "gpt_oss": dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", num_local_experts=8,
                     num_experts_per_tok=2, sliding_window=16, layer_types=["sliding_attention", "full_attention"]),
+    "deepseek_v3": dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", num_key_value_heads=4,
+                        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                        n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, head_dim=None),
+    "gemma3": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", sliding_window=16, head_dim=16,
+                   layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16,
+                   tie_word_embeddings=True, rope_parameters=None),
 }
 
 
 def tiny_config(family: str = "llama", **overrides) -> dict:
     if family not in TINY_FAMILIES:
         raise ConfigError(f"unknown tiny family {family!r}; choose from {', '.join(TINY_FAMILIES)}")
-    return copy.deepcopy({**_COMMON, **TINY_FAMILIES[family], **overrides})
+    merged = {**_COMMON, **TINY_FAMILIES[family], **overrides}
+    # None leaves a field to the config class's default (written as null, some classes would take it as set).
+    return copy.deepcopy({key: value for key, value in merged.items() if value is not None})
 
 
 def _write_tokenizer(path: str) -> None:

@@ -11,6 +11,8 @@ reduction per tensor on the device refuses NaN / Inf weights.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import re
 
@@ -26,6 +28,8 @@ from jaxinfer.checkpoint_folder import CheckpointFolder
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError, ConfigError
 from jaxinfer.sharding import param_sharding
+
+logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors dtype names a float weight may be stored in
@@ -81,6 +85,7 @@ class SafetensorsCheckpoint:
             except Exception as e:  # safetensors' own header validation
                 raise CheckpointError(f"{os.path.join(self.path, name)} is not a valid safetensors file: {e}") from e
         self._file_of = self._locate(weight_map)
+        self._stored_name = {}  # canonical name -> name in the files, where a name layout renames
 
     def _locate(self, weight_map: dict[str, str] | None) -> dict[str, str]:
         """{tensor: file}; ``CheckpointError`` for a tensor stored twice or an index the files contradict."""
@@ -102,22 +107,76 @@ class SafetensorsCheckpoint:
                 raise CheckpointError(f"{INDEX_FILE} in {self.path!r} disagrees with its files: " + "; ".join(problems))
         return file_of
 
+    def use_layout(self, layouts: tuple["NameLayout", ...]) -> "NameLayout":
+        """Name the tensors as the model does (``model.*``, ``lm_head.*``) under whichever of ``layouts``
+        maps the most stored names there (the first, on a tie); names it does not rewrite stay as
+        stored. -> the layout taken."""
+        stored = list(self._file_of)
+
+        def text_names(layout):
+            return sum(layout.to_canonical(n).startswith(("model.layers.", "model.embed_tokens.", "model.norm.",
+                                                          "lm_head.")) for n in stored)
+
+        layout = max(layouts, key=text_names)  # max keeps the first of equal scores
+        if layout.rewrites:
+            canonical = {layout.to_canonical(name): name for name in stored}
+            if len(canonical) != len(stored):
+                raise CheckpointError(f"checkpoint {self.path!r} names a tensor twice once its text-model prefix "
+                                      f"is taken off ({layout.rewrites})")
+            self._stored_name = canonical
+            self._file_of = {name: self._file_of[raw] for name, raw in canonical.items()}
+        return layout
+
+    def _slice(self, name: str):
+        return self._handles[self._file_of[name]].get_slice(self._stored_name.get(name, name))
+
     def names(self) -> list[str]:
         return sorted(self._file_of)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handles[self._file_of[name]].get_slice(name).get_shape())
+        return tuple(self._slice(name).get_shape())
 
     def dtype(self, name: str) -> str:
         """The stored dtype's safetensors name (``F32``, ``BF16``, ``I64``, ``U8``, ...)."""
-        return self._handles[self._file_of[name]].get_slice(name).get_dtype()
+        return self._slice(name).get_dtype()
 
     def read(self, name: str, index=None) -> np.ndarray:
         """The tensor (or the slice ``index`` of it) as a numpy array in its stored dtype."""
-        handle = self._handles[self._file_of[name]]
         if index is None:
-            return handle.get_tensor(name)
-        return handle.get_slice(name)[index]
+            return self._handles[self._file_of[name]].get_tensor(self._stored_name.get(name, name))
+        return self._slice(name)[index]
+
+
+@dataclasses.dataclass(frozen=True)
+class NameLayout:
+    """How a checkpoint names the text model's tensors: ``rewrites`` of (our prefix, its prefix), the
+    first that matches applying. Multimodal wrappers keep the text model under a prefix."""
+
+    rewrites: tuple[tuple[str, str], ...] = ()
+
+    def to_stored(self, name: str) -> str:
+        for ours, theirs in self.rewrites:
+            if name.startswith(ours):
+                return theirs + name[len(ours):]
+        return name
+
+    def to_canonical(self, name: str) -> str:
+        for ours, theirs in self.rewrites:
+            if name.startswith(theirs):
+                return ours + name[len(theirs):]
+        return name
+
+
+# The layouts a text model's tensors come in: plain (``model.*``, ``lm_head.*``); the hub layout of
+# LLaVA-style wrappers (``language_model.model.*``, Kimi K2.5; transformers writes its layers as
+# ``blocks``); transformers' own layout of multimodal models (``model.language_model.*``, Qwen3.5).
+TEXT_MODEL_LAYOUTS = (
+    NameLayout(),
+    NameLayout((("model.", "language_model.model."), ("lm_head.", "language_model.lm_head."))),
+    NameLayout((("model.layers.", "language_model.model.blocks."), ("model.", "language_model.model."),
+                ("lm_head.", "language_model.lm_head."))),
+    NameLayout((("model.", "model.language_model."),)),
+)
 
 
 def _dummy_inputs(model_cls, config: ModelConfig):
@@ -198,11 +257,12 @@ class Derived:
 _LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def check_layout(checkpoint: SafetensorsCheckpoint, config: ModelConfig) -> None:
+def check_layout(checkpoint: SafetensorsCheckpoint, config: ModelConfig, ignored: tuple[str, ...] = ()) -> None:
     """Config sizes against the checkpoint's tensor names and header shapes, read in milliseconds
-    before the model is traced: the layer indices and the embedding matrix. ``ConfigError`` naming
-    the field."""
-    names = checkpoint.names()
+    before the model is traced: the layer indices and the embedding matrix (tensors matching an
+    ``ignored`` regex left out). ``ConfigError`` naming the field."""
+    patterns = [re.compile(p) for p in ignored]
+    names = [n for n in checkpoint.names() if not any(p.search(n) for p in patterns)]
     layers = sorted({int(m.group(1)) for m in map(_LAYER_NAME.search, names) if m})
     n = config.num_hidden_layers
     if layers and layers != list(range(n)):
@@ -223,6 +283,7 @@ def check_checkpoint(checkpoint: SafetensorsCheckpoint, model_cls, config: Model
     """Match the model's parameters to checkpoint tensors; raise ``CheckpointError`` naming every
     missing, unexpected and mis-shaped tensor. Returns {param path: source}."""
     ignored = [re.compile(p) for p in model_cls.ignored_checkpoint_keys_for(config)]
+    skipped = [(re.compile(p), what) for p, what in model_cls.skipped_checkpoint_keys_for(config)]
     available = set(checkpoint.names())
     sources = model_cls.checkpoint_sources(config, expected, available)
     missing, misshaped, wrong_dtype = [], [], []
@@ -239,7 +300,13 @@ def check_checkpoint(checkpoint: SafetensorsCheckpoint, model_cls, config: Model
             what = source.names[0] if len(source.names) == 1 else f"{source.names[0]} (+{len(source.names) - 1} more)"
             misshaped.append(f"{what}: checkpoint gives {list(shape)}, model expects {list(want)}")
     used = {n for source in sources.values() for n in source.names}
-    unexpected = sorted(n for n in available - used if not any(p.search(n) for p in ignored))
+    left = available - used
+    for pattern, what in skipped:
+        matched = sorted(n for n in left if pattern.search(n))
+        if matched:
+            logger.warning("not serving %s: %d checkpoint tensors skipped (%s, ...)", what, len(matched), matched[0])
+            left -= set(matched)
+    unexpected = sorted(n for n in left if not any(p.search(n) for p in ignored))
     problems = []
     if missing:
         problems.append(f"missing tensors: {_describe(sorted(missing))}")

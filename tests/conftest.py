@@ -42,6 +42,9 @@ def make_hf_checkpoint(path, family: str, seed: int = 0, **overrides):
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "minimax_m2": (transformers.MiniMaxM2Config, transformers.MiniMaxM2ForCausalLM),
         "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
+        "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
+        "sarvam_mla": (transformers.SarvamMLAConfig, transformers.DeepseekV3ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }
     config_cls, model_cls = classes[family]
     config = config_cls(**{**TINY, **overrides})

@@ -68,6 +68,9 @@ class RunningSum(nn.Module):
 class RunningSumMixer:
     name: str = "self_attn"
 
+    def validate(self, config):
+        pass  # no config fields of its own
+
     def cache_specs(self, config):
         return (StateSlots((("sum", (config.hidden_size,), "float32"),)), PagedSide("seen", config.hidden_size))
 

@@ -129,7 +129,7 @@ def test_logprobs_are_log_softmax():
     assert not np.asarray(sampled).any() and not np.asarray(top_values).any()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "minimax_m2", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "minimax_m2", "gpt_oss", "deepseek_v3", "gemma3"])
 def test_tiny_checkpoint_loads_in_transformers(tmp_path, family):
     import torch
     from transformers import AutoModelForCausalLM

@@ -39,3 +39,15 @@ def apply_rotary(x, cos, sin):
     x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
     x_rot = x_rot * cos + rotate_half(x_rot) * sin
     return jnp.concatenate([x_rot, x_pass], axis=-1) if x_pass.shape[-1] else x_rot
+
+
+def apply_rotary_interleaved(x, cos, sin):
+    """RoPE over interleaved pairs ``(x0, x1), (x2, x3), ...`` of ``x`` [T, heads, rotary_dim] (DeepSeek's
+    layout), returned de-interleaved as HF returns it: ``[rot(evens) | rot(odds)]`` (dot products
+    between rotated vectors are the same either way). cos/sin [T, rotary_dim] in HF's
+    ``cat(freqs, freqs)`` layout, cast to x's dtype first."""
+    half = cos.shape[-1] // 2
+    cos = cos[:, :half].astype(x.dtype)[:, None, :]
+    sin = sin[:, :half].astype(x.dtype)[:, None, :]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return jnp.concatenate([even * cos - odd * sin, odd * cos + even * sin], axis=-1)

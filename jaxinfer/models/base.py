@@ -41,7 +41,8 @@ class CausalLM(nn.Module):
         Families add their own (expert counts)."""
         from jaxinfer.weights import check_layout
 
-        check_layout(checkpoint, config)
+        skipped = tuple(pattern for pattern, _ in cls.skipped_checkpoint_keys_for(config))
+        check_layout(checkpoint, config, cls.ignored_checkpoint_keys_for(config) + skipped)
 
     @classmethod
     def cache_specs(cls, config: ModelConfig) -> tuple[tuple[CacheSpec, ...], ...]:
@@ -52,6 +53,12 @@ class CausalLM(nn.Module):
     def ignored_checkpoint_keys_for(cls, config: ModelConfig) -> tuple[str, ...]:
         """``ignored_checkpoint_keys`` plus config-dependent ones (e.g. a stored but tied LM head)."""
         return cls.ignored_checkpoint_keys
+
+    @classmethod
+    def skipped_checkpoint_keys_for(cls, config: ModelConfig) -> tuple[tuple[str, str], ...]:
+        """(regex, what it is) of checkpoint tensors the family does not serve (a vision tower,
+        multi-token-prediction layers): skipped with one log line each, never a load error."""
+        return ()
 
     @classmethod
     def checkpoint_sources(cls, config: ModelConfig, expected: dict, available: set[str]) -> dict:

@@ -62,7 +62,7 @@ class SandwichResidual:
 
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
-    mixer: Any  # a mixer spec (GQA, MLA, ...): cache_specs(config), rotary(config), module(config, dtype)
+    mixer: Any  # a mixer spec (GQA, MLA, ...): validate, cache_specs, rotary (or None) and module, of the config
     ffn: DenseMLP | MoESpec = DenseMLP()
     residual: PreNormResidual | SandwichResidual = PreNormResidual()
     ffn_name: str = "mlp"  # the MLP / MoE block's module name in the checkpoint
@@ -73,6 +73,7 @@ class DecoderSpec:
     layers: tuple[LayerSpec, ...]
     norm: NormStyle = NormStyle()
     embed_scale: bool = False  # embeddings x sqrt(hidden_size), the factor rounded to the weight dtype (Gemma)
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
 
 
 def sliding_window(config: ModelConfig) -> int | None:
@@ -221,6 +222,7 @@ class DecoderForCausalLM(CausalLM):
     def validate_config(cls, config: ModelConfig) -> None:
         get_activation(config.hidden_act)
         for layer in cls.spec(config).layers:
+            layer.mixer.validate(config)
             rotary = layer.mixer.rotary(config)
             if rotary is not None:
                 rotary.rope.check_rotary_dim(rotary.head_dim)
@@ -228,6 +230,12 @@ class DecoderForCausalLM(CausalLM):
     @classmethod
     def cache_specs(cls, config: ModelConfig) -> tuple[tuple[CacheSpec, ...], ...]:
         return tuple(layer.mixer.cache_specs(config) for layer in cls.spec(config).layers)
+
+    @classmethod
+    def skipped_checkpoint_keys_for(cls, config: ModelConfig) -> tuple[tuple[str, str], ...]:
+        # Multimodal checkpoints: the text model is served; vision input is not supported yet.
+        return ((r"^(model\.)?(vision_tower|vision_model|visual|mm_projector|multi_modal_projector)\.",
+                 "the vision tower and projector (text input only)"),)
 
     @classmethod
     def ignored_checkpoint_keys_for(cls, config: ModelConfig) -> tuple[str, ...]:
@@ -239,11 +247,15 @@ class DecoderForCausalLM(CausalLM):
     def __call__(self, token_ids, md: AttentionMetadata, caches, *, all_logits: bool = False):
         """Returns float32 logits for ``md.logits_indices`` (or every token with ``all_logits``)."""
         c = self.config
-        x, embed, caches = DecoderModel(c, type(self).spec(c), self.dtype, name="model")(token_ids, md, caches)
+        spec = type(self).spec(c)
+        x, embed, caches = DecoderModel(c, spec, self.dtype, name="model")(token_ids, md, caches)
         if not all_logits:
             x = x[md.logits_indices]
         if c.tie_word_embeddings:
             logits = embed.attend(x)
         else:
             logits = Linear(c.vocab_size, False, self.dtype, name="lm_head")(x)
+        cap = spec.final_logit_softcap
+        if cap:
+            logits = jnp.tanh(logits / cap) * cap  # in the logits' dtype, as HF
         return logits.astype(jnp.float32), caches

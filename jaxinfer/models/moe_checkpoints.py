@@ -14,10 +14,13 @@ from jaxinfer.weights import Stacked, Tensor
 _EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.")
 
 
-def check_expert_count(checkpoint, field: str, num_experts: int) -> None:
-    """Per-expert checkpoints: the expert indices in the tensor names are exactly ``range(num_experts)``
-    (read from the names alone, before any per-expert source is built). ``ConfigError`` naming ``field``."""
-    held = sorted({int(m.group(1)) for m in map(_EXPERT_NAME.search, checkpoint.names()) if m})
+def check_expert_count(checkpoint, field: str, num_experts: int, ignored: tuple[str, ...] = ()) -> None:
+    """Per-expert checkpoints: the expert indices in the tensor names (those matching no ``ignored``
+    regex) are exactly ``range(num_experts)``, read from the names alone, before any per-expert
+    source is built. ``ConfigError`` naming ``field``."""
+    patterns = [re.compile(p) for p in ignored]
+    names = [n for n in checkpoint.names() if not any(p.search(n) for p in patterns)]
+    held = sorted({int(m.group(1)) for m in map(_EXPERT_NAME.search, names) if m})
     if held and held != list(range(num_experts)):
         raise ConfigError(f"{field} is {num_experts}, but the checkpoint's tensors hold experts "
                           f"{held[0]}..{held[-1]} ({len(held)} distinct)")

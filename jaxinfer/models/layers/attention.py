@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from jaxinfer.cache.metadata import AttentionMetadata
 from jaxinfer.cache.specs import PagedKV
+from jaxinfer.errors import ConfigError
 from jaxinfer.kernels import attention as attention_ops
 from jaxinfer.kernels import linear as linear_ops
 from jaxinfer.models.layers.linear import Linear, LinearParams
@@ -25,22 +26,31 @@ class GQA:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: str | None = None  # None, "head" or "full" (see PagedGQAttention)
+    qk_norm_unit_offset: bool = False  # q/k norms are x * (1 + w) (Gemma)
     sinks: bool = False
     sliding_window: int | None = None
+    scale: float | None = None  # softmax scale; default head_dim ** -0.5
+    rope_layer_type: str | None = None  # whose RoPE, where rope_parameters are given per layer type
     name: str = "self_attn"  # the module's name in the checkpoint
 
     def cache_specs(self, config) -> tuple[PagedKV, ...]:
         return (PagedKV(config.num_key_value_heads, config.head_dim, self.sliding_window),)
 
+    def validate(self, config) -> None:
+        """``ConfigError`` for head counts GQA cannot group: KV head j serves a block of query heads."""
+        if config.num_attention_heads % config.num_key_value_heads:
+            raise ConfigError(f"num_attention_heads ({config.num_attention_heads}) must be a multiple of "
+                              f"num_key_value_heads ({config.num_key_value_heads})")
+
     def rotary(self, config) -> RotaryEmbedding:
-        return RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
+        return RotaryEmbedding(config.rope_for(self.rope_layer_type), config.head_dim, config.max_position_embeddings)
 
     def module(self, config, param_dtype) -> "PagedGQAttention":
         return PagedGQAttention(
             num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
             qkv_bias=self.qkv_bias, o_bias=self.o_bias, qk_norm_eps=config.rms_norm_eps if self.qk_norm else None,
-            qk_norm=self.qk_norm or "head", sinks=self.sinks, sliding_window=self.sliding_window,
-            param_dtype=param_dtype, name=self.name)
+            qk_norm=self.qk_norm or "head", qk_norm_unit_offset=self.qk_norm_unit_offset, sinks=self.sinks,
+            sliding_window=self.sliding_window, scale=self.scale, param_dtype=param_dtype, name=self.name)
 
 
 class PagedGQAttention(nn.Module):
@@ -59,6 +69,7 @@ class PagedGQAttention(nn.Module):
     o_bias: bool = False
     qk_norm_eps: float | None = None  # q/k RMSNorm before RoPE
     qk_norm: str = "head"  # "head": per head, weight [head_dim] (Qwen3); "full": over all heads (MiniMax-M2)
+    qk_norm_unit_offset: bool = False  # (1 + w) q/k norms, applied before the fused RoPE op (Gemma)
     sinks: bool = False  # one learned softmax logit per head (GPT-OSS)
     sliding_window: int | None = None
     scale: float | None = None  # default head_dim ** -0.5
@@ -81,16 +92,19 @@ class PagedGQAttention(nn.Module):
         else:
             (q, k, v), residual = prenorm.project(x, weights, biases)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        norm = lambda name: RMSNorm(self.qk_norm_eps, param_dtype=self.param_dtype, name=name)  # noqa: E731
+        norm = lambda name: RMSNorm(self.qk_norm_eps, unit_offset=self.qk_norm_unit_offset,  # noqa: E731
+                                    param_dtype=self.param_dtype, name=name)
         norms = {}
         if self.qk_norm_eps is not None and self.qk_norm == "full":
             q, k = norm("q_norm")(q), norm("k_norm")(k)
-        elif self.qk_norm_eps is not None:  # per head: fused into the RoPE + cache-write op
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm_eps is not None and self.qk_norm == "head" and self.qk_norm_unit_offset:
+            q, k = norm("q_norm")(q), norm("k_norm")(k)  # per head; the fused op's norm is plain-weight
+        elif self.qk_norm_eps is not None and self.qk_norm == "head":  # per head: fused into the RoPE op
             norms = dict(q_norm=NormWeight(self.head_dim, self.param_dtype, name="q_norm")(),
                          k_norm=NormWeight(self.head_dim, self.param_dtype, name="k_norm")(),
                          norm_eps=self.qk_norm_eps)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
         options = dict(scale=self.scale or self.head_dim**-0.5, sliding_window=self.sliding_window)
         if self.sinks:
             options["sinks"] = self.param("sinks", nn.initializers.normal(0.02), (self.num_heads,), self.param_dtype)

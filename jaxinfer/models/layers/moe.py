@@ -47,6 +47,8 @@ class MoESpec:
     limit: float = 7.0
     shared_intermediate_size: int | None = None
     shared_expert_gated: bool = False
+    shared_expert_name: str = "shared_expert"  # its module name in the checkpoint ("shared_experts": DeepSeek)
+    router_float32: bool = False  # router weight kept and applied in float32 (DeepSeek's gate)
 
     def __post_init__(self):
         if self.router not in ROUTERS:
@@ -75,7 +77,7 @@ class SparseMoE(nn.Module):
         """Whether the residual add and RMSNorm in front of the block go into one op with it."""
         return (num_tokens == 1 and spec.router == "softmax_topk" and not spec.router_bias and not spec.expert_bias
                 and spec.activation == "silu" and not spec.shared_intermediate_size
-                and spec.routed_scaling_factor == 1.0 and spec.norm_eps == 0.0)
+                and spec.routed_scaling_factor == 1.0 and spec.norm_eps == 0.0 and not spec.router_float32)
 
     @nn.compact
     def __call__(self, x, block=None):
@@ -86,7 +88,10 @@ class SparseMoE(nn.Module):
             gate, up, down = Experts(spec, x.shape[-1], self.param_dtype, name="experts").weights()
             return moe_ops.moe_block(x, residual, norm_weight, router, gate, up, down, flag, eps=eps,
                                      top_k=spec.top_k, norm_topk_prob=spec.norm_topk_prob)
-        logits = Linear(spec.num_experts, spec.router_bias, self.param_dtype, name=spec.router_name)(x)
+        if spec.router_float32:
+            logits = Linear(spec.num_experts, spec.router_bias, jnp.float32, name=spec.router_name)(x.astype(jnp.float32))
+        else:
+            logits = Linear(spec.num_experts, spec.router_bias, self.param_dtype, name=spec.router_name)(x)
         correction = None
         if spec.router == "sigmoid_bias":
             correction = self.param("e_score_correction_bias", nn.initializers.zeros, (spec.num_experts,), jnp.float32)
@@ -96,7 +101,7 @@ class SparseMoE(nn.Module):
         out = Experts(spec, x.shape[-1], self.param_dtype, name="experts")(x, ids, weights)
         if spec.shared_intermediate_size:
             shared, _ = GatedMLP(spec.shared_intermediate_size, self.hidden_act, False, self.param_dtype,
-                                 name="shared_expert")(x)
+                                 name=spec.shared_expert_name)(x)
             if spec.shared_expert_gated:
                 shared = jax.nn.sigmoid(Linear(1, False, self.param_dtype, name="shared_expert_gate")(x)) * shared
             out = out + shared
