@@ -166,3 +166,29 @@ def test_sizes_come_from_the_specs_alone():
     assert shapes[2] == {"recurrent": (2, 16, 128, 128), "conv": (2, 8192, 3)}
     with pytest.raises(ValueError, match="name an array twice"):
         CacheLayout(((kv, kv),), page_size=4, num_pages=1, dtype=jnp.float32)
+
+
+def test_metadata_builder_on_host_and_device_agree():
+    """Two sequences (one continuing with 3 new tokens, one fresh with 2) in a step of 8 token rows
+    and 3 sequence rows: the padding rows belong to no sequence, numpy and jax.numpy agree."""
+    from jaxinfer.cache.metadata import build_metadata
+
+    args = (np.array([5, 0, 0]), np.array([3, 2, 0]), np.array([[4, 7, 0], [2, 0, 0], [0, 0, 0]]))
+    host = build_metadata(*args, page_size=4, num_tokens=8, state_slots=np.array([1, 0, -1]))
+    device = build_metadata(*map(jnp.asarray, args), page_size=4, num_tokens=8, state_slots=jnp.array([1, 0, -1]),
+                            xp=jnp)
+    for field in ("positions", "slot_mapping", "token_seq_ids", "seq_lens", "logits_indices", "valid", "query_start",
+                  "fresh", "state_slots"):
+        np.testing.assert_array_equal(getattr(host, field), np.asarray(getattr(device, field)), err_msg=field)
+    np.testing.assert_array_equal(host.positions, [5, 6, 7, 0, 1, 0, 0, 0])
+    np.testing.assert_array_equal(host.slot_mapping, [29, 30, 31, 8, 9, -1, -1, -1])  # page 7 * 4 + 1, ...
+    np.testing.assert_array_equal(host.token_seq_ids, [0, 0, 0, 1, 1, -1, -1, -1])
+    np.testing.assert_array_equal(host.seq_lens, [8, 2, 0])
+    np.testing.assert_array_equal(host.query_start, [0, 3, 5, 5])
+    np.testing.assert_array_equal(host.logits_indices, [2, 4, 4])
+    np.testing.assert_array_equal(host.fresh, [False, True, False])
+    decode = build_metadata(np.array([8, 2]), np.array([1, 0]), np.array([[4, 7, 3], [2, 0, 0]]), page_size=4,
+                            num_tokens=2, decode=True)
+    np.testing.assert_array_equal(decode.slot_mapping, [12, -1])  # position 8: page 3, offset 0; row 1 finished
+    np.testing.assert_array_equal(decode.seq_lens, [9, 0])
+    np.testing.assert_array_equal(decode.token_seq_ids, [0, -1])

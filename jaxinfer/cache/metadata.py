@@ -69,24 +69,24 @@ def build_metadata(num_computed, num_new, block_tables, *, page_size: int, num_t
     block_tables = xp.asarray(block_tables, int32)
     num_seqs = num_computed.shape[0]
     rows = xp.arange(num_tokens, dtype=int32)
-    if decode:
+    if decode:  # row s is sequence s's one token: no gathers through a token -> sequence map
         if num_tokens != num_seqs:
             raise ValueError(f"a decode step has one token row per sequence: {num_tokens} rows, {num_seqs} sequences")
         query_start = xp.arange(num_seqs + 1, dtype=int32)
         valid = num_new > 0
         seq = rows
-        offset = xp.zeros_like(rows)
+        positions = xp.where(valid, num_computed, 0).astype(int32)
+        tables = block_tables
     else:
         query_start = xp.concatenate([xp.zeros((1,), int32), xp.cumsum(num_new).astype(int32)])
         valid = rows < query_start[-1]
         seq = xp.minimum(xp.searchsorted(query_start[1:], rows, side="right"), num_seqs - 1).astype(int32)
-        offset = rows - query_start[seq]
-    positions = xp.where(valid, num_computed[seq] + offset, 0).astype(int32)
-    page = xp.take_along_axis(block_tables[seq], (positions // page_size)[:, None], axis=1)[:, 0]
+        positions = xp.where(valid, num_computed[seq] + rows - query_start[seq], 0).astype(int32)
+        tables = block_tables[seq]
+    page = xp.take_along_axis(tables, (positions // page_size)[:, None], axis=1)[:, 0]
     slot_mapping = xp.where(valid, page * page_size + positions % page_size, -1).astype(int32)
     seq_lens = xp.where(num_new > 0, num_computed + num_new, 0).astype(int32)
-    logits_indices = xp.maximum(query_start[1:] - 1, 0).astype(int32) if not decode else xp.arange(num_seqs,
-                                                                                                     dtype=int32)
+    logits_indices = rows if decode else xp.maximum(query_start[1:] - 1, 0).astype(int32)
     if state_slots is not None:
         state_slots = xp.asarray(state_slots, int32)
     return AttentionMetadata(
