@@ -30,3 +30,12 @@ class TokenizerUnavailableError(JaxInferError, RuntimeError):
 
 class CompilationAfterWarmupError(JaxInferError, RuntimeError):
     """Strict mode: something was traced or compiled after the start-up warm-up."""
+
+
+class KernelNotSupportedError(JaxInferError, ValueError):
+    """An implementation forced on an op (``jaxinfer.kernels.registry.force``) cannot take a call."""
+
+
+class KernelFaultError(JaxInferError, RuntimeError):
+    """A kernel detected at run time that its results are wrong (a persistent kernel's wait gave up);
+    the step's outputs were discarded and its requests ended with an error."""

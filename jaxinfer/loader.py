@@ -7,7 +7,6 @@ full causal forward through the same model code and paged-attention ops the engi
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 
 import jax
@@ -20,6 +19,7 @@ from jaxinfer import checks
 from jaxinfer.checkpoint_folder import CheckpointFolder
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import ConfigError, InvalidRequestError
+from jaxinfer.kernels import registry as kernel_registry
 from jaxinfer.registry import ModelRegistry
 from jaxinfer.sharding import make_mesh
 from jaxinfer.weights import TEXT_MODEL_LAYOUTS, SafetensorsCheckpoint, load_params
@@ -78,30 +78,37 @@ class LoadedModel:
     params: dict
     mesh: jax.sharding.Mesh
     dtype: type
+    _forwards: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def apply(self, token_ids, md: AttentionMetadata, caches, *, all_logits: bool = False):
         """The pure model function: (params, inputs, caches) -> (float32 logits, caches)."""
         return self.model.apply({"params": self.params}, token_ids, md, caches, all_logits=all_logits)
 
-    @functools.cached_property
     def _full_forward(self):
-        def run(params, token_ids):
-            t = token_ids.shape[0]
-            page_size = 16
-            num_pages = -(-t // page_size)
-            layout = CacheLayout(self.model_cls.cache_specs(self.config), page_size, num_pages, self.dtype, num_slots=1)
-            md = build_metadata(jnp.zeros((1,), jnp.int32), jnp.full((1,), t, jnp.int32),
-                                jnp.arange(num_pages, dtype=jnp.int32)[None, :], page_size=page_size, num_tokens=t,
-                                state_slots=jnp.zeros((1,), jnp.int32), xp=jnp)
-            logits, _ = self.model.apply({"params": params}, token_ids, md, layout.zeros(), all_logits=True)
-            return logits
+        """The jitted one-sequence forward for the kernel selection in force (choices are made while
+        tracing, so each selection has its own)."""
+        chosen = kernel_registry.selection(kernel_registry.target_for(self.mesh))
+        if chosen not in self._forwards:
+            def run(params, token_ids):
+                t = token_ids.shape[0]
+                page_size = 16
+                num_pages = -(-t // page_size)
+                layout = CacheLayout(self.model_cls.cache_specs(self.config), page_size, num_pages, self.dtype,
+                                     num_slots=1)
+                md = build_metadata(jnp.zeros((1,), jnp.int32), jnp.full((1,), t, jnp.int32),
+                                    jnp.arange(num_pages, dtype=jnp.int32)[None, :], page_size=page_size,
+                                    num_tokens=t, state_slots=jnp.zeros((1,), jnp.int32), xp=jnp)
+                with kernel_registry.applied(chosen):
+                    logits, _ = self.model.apply({"params": params}, token_ids, md, layout.zeros(), all_logits=True)
+                return logits
 
-        return jax.jit(run)
+            self._forwards[chosen] = jax.jit(run)
+        return self._forwards[chosen]
 
     def logits(self, token_ids) -> np.ndarray:
         """float32 logits [num_tokens, vocab] of one causal forward over ``token_ids``."""
         ids = validate_token_ids(token_ids, self.config.vocab_size, "token sequence")
-        return np.asarray(self._full_forward(self.params, jnp.asarray(ids, jnp.int32)))
+        return np.asarray(self._full_forward()(self.params, jnp.asarray(ids, jnp.int32)))
 
 
 def open_checkpoint(path: str | os.PathLike):

@@ -4,6 +4,7 @@ timer that runs a jitted function many times on the device without host dispatch
 from __future__ import annotations
 
 import glob
+import contextlib
 import json
 import os
 import platform
@@ -119,15 +120,21 @@ def matmul_rate() -> float:
     return 2 * 8192**3 / seconds
 
 
-KERNEL_FAMILIES = ("attention", "linear", "moe", "norm")  # modules of jaxinfer.kernels with a dispatcher
+KERNEL_FAMILIES = ("attention", "linear", "mla", "moe", "norm")  # op families of jaxinfer.kernels.registry
+_PROCESS_WIDE = contextlib.ExitStack()  # selections kept for the rest of the process
 
 
 def force_reference(families) -> None:
-    """Run these op families' plain-jnp references instead of their GPU kernels (for A/B runs)."""
+    """Run these op families' plain-jnp references instead of their GPU kernels from now on, for the
+    rest of the process (A/B runs; ``jaxinfer.kernels.registry.force``)."""
     import importlib
 
+    from jaxinfer.kernels import registry
+
     for family in families:
-        importlib.import_module(f"jaxinfer.kernels.{family}").set_implementation("reference")
+        importlib.import_module(f"jaxinfer.kernels.{family}")  # registers its ops
+    if families:
+        _PROCESS_WIDE.enter_context(registry.force({family: "reference" for family in families}))
 
 
 def environment() -> dict:

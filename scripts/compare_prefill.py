@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import os
 import sys
 
@@ -30,13 +31,29 @@ SHAPES = ((4, 4096, 32), (1, 8192, 32), (2, 2048, 16))  # (sequences, tokens eac
 PAGE_SIZE = 16
 
 
+def _named_arrays(kernel):
+    """A baseline kernel that took the step's metadata object, called with the named arrays."""
+    if "md" not in inspect.signature(kernel).parameters:
+        return kernel
+
+    def call(q, k, v, positions, token_seq_ids, block_tables, seq_lens, **options):
+        from jaxinfer.cache.metadata import AttentionMetadata
+
+        md = AttentionMetadata(positions=positions, slot_mapping=jnp.where(token_seq_ids < 0, -1, 0),
+                               token_seq_ids=token_seq_ids, block_tables=block_tables, seq_lens=seq_lens,
+                               logits_indices=jnp.zeros_like(seq_lens))
+        return kernel(q, k, v, md, **options)
+
+    return call
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", default="HEAD", help="git revision of the kernel to compare against")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     baseline = load_revision(KERNEL_PATH, args.baseline)
-    kernels = {"before": baseline.ragged_paged_attention, "after": prefill_mgpu.ragged_paged_attention,
+    kernels = {"before": _named_arrays(baseline.ragged_paged_attention), "after": prefill_mgpu.ragged_paged_attention,
                "after_one_head": functools.partial(prefill_mgpu.ragged_paged_attention, heads_per_program=1),
                "after_two_heads": functools.partial(prefill_mgpu.ragged_paged_attention, heads_per_program=2)}
     num_sms = jax.devices()[0].core_count
@@ -46,11 +63,12 @@ def main():
         flops = 4 * batch * heads * seq_len * seq_len * 128 / 2  # causal: half the square
         q, k, v, md = packed_sequences(batch, seq_len, heads, heads, 128, PAGE_SIZE, jnp.bfloat16)
         dense_q = jax.random.normal(jax.random.PRNGKey(1), (batch, seq_len, heads, 128), jnp.bfloat16)
-        blocks = prefill_mgpu.block_schedule(md, page_size=PAGE_SIZE, pages_per_seq=md.block_tables.shape[1]).shape[0]
+        blocks = prefill_mgpu.block_schedule(md.positions, md.token_seq_ids, md.seq_lens, page_size=PAGE_SIZE,
+                                             pages_per_seq=md.block_tables.shape[1]).shape[0]
         row = {"shape": [batch, seq_len, heads, PAGE_SIZE], "sms": num_sms,
                "default_heads_per_program": prefill_mgpu.default_heads_per_program(blocks * heads, heads, num_sms)}
-        contenders = {name: (functools.partial(fn, scale=128**-0.5), (q, k, v, md)) for name, fn in kernels.items()}
-        before = jax.jit(contenders["before"][0])(q, k, v, md)
+        contenders = {name: (functools.partial(fn, scale=128**-0.5), (q, k, v, *md)) for name, fn in kernels.items()}
+        before = jax.jit(contenders["before"][0])(q, k, v, *md)
         for name, (fn, inputs) in contenders.items():
             row[f"{name}_vs_before_max_abs"] = float(jnp.max(jnp.abs(f32(jax.jit(fn)(*inputs)) - f32(before))))
         contenders["cudnn"] = (functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn"),

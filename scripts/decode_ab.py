@@ -97,15 +97,11 @@ def _patched(module, attribute: str, value):
         setattr(module, attribute, saved)
 
 
-@contextlib.contextmanager
-def _replaced(family, op: str, fn):
-    implementations = family._dispatch.implementations["pallas"]
-    saved = implementations[op]
-    implementations[op] = fn
-    try:
-        yield
-    finally:
-        implementations[op] = saved
+def _replaced(op: str, fn, *, pallas: bool = True):
+    """Serve ``op`` with ``fn`` while the variant's engine compiles (``registry.variant``)."""
+    from jaxinfer.kernels import registry
+
+    return registry.variant(op, fn, pallas=pallas)
 
 
 # XLA's default command-buffer commands (jaxlib 0.11) plus the control flow ones.
@@ -129,8 +125,6 @@ def _greedy_sample(logits, batch, num_logprobs=None, all_greedy=False):
 
 
 def variant_context(name: str):
-    from jaxinfer.kernels import attention, linear, moe
-
     parts = name.split("+")
     if len(parts) > 1:
         stack = contextlib.ExitStack()
@@ -151,7 +145,7 @@ def variant_context(name: str):
 
         return _patched(runner, "sample", _greedy_sample)
     if name == "unfused-rotary-decode":
-        return _replaced(attention, "rotary_paged_decode_attention", _unfused_rotary_decode)
+        return _replaced("attention.rotary_paged_decode_attention", _unfused_rotary_decode)
     if name in ("skinny-router", "skinny-one-row"):
         from jaxinfer.kernels.linear import reference as linear_reference
         from jaxinfer.kernels.linear import skinny_pallas
@@ -164,36 +158,33 @@ def variant_context(name: str):
                 return skinny_pallas.project(x, weights, biases, **options)
             return linear_reference.project(x, weights, biases)
 
-        return _replaced(linear, "project", project)
+        return _replaced("linear.project", project)
     if name == "moe-down-four-stages":
         from jaxinfer.kernels.moe import grouped_pallas
 
-        return _replaced(moe, "moe_mlp", functools.partial(grouped_pallas.moe_mlp,
+        return _replaced("moe.moe_mlp", functools.partial(grouped_pallas.moe_mlp,
                                                            down_tuning=grouped_pallas.KernelTuning(num_stages=4)))
     if name == "unfused-norm-project":
-        return _replaced(linear, "norm_project", _norm_then_project)
+        return _replaced("linear.norm_project", _norm_then_project, pallas=False)
     if name == "moe-block-ops":
-        block = moe._dispatch.implementations["pallas"]["moe_block"]
+        from jaxinfer.kernels import registry
 
-        def ops_one_after_another(*args, flag=None, **options):  # without a flag the kernel is never taken
-            return block(*args[:7], None, **options)
-
-        return _replaced(moe, "moe_block", ops_one_after_another)
+        return registry.force("moe.moe_block", "ops")
     if name.startswith(("decode-blocks-", "decode-splits-")):
         from jaxinfer.kernels.attention import decode_pallas
 
         option = "block_tokens" if name.startswith("decode-blocks-") else "num_splits"
-        return _replaced(attention, "rotary_paged_decode_attention",
+        return _replaced("attention.rotary_paged_decode_attention",
                          functools.partial(decode_pallas.rotary_paged_decode_attention,
                                            **{option: int(name.rsplit("-", 1)[1])}))
     if name == "decode-kv-first" or name.startswith("decode-warps-"):
         from jaxinfer.kernels.attention import decode_pallas
 
         option = dict(kv_reads_first=True) if name == "decode-kv-first" else dict(num_warps=int(name.rsplit("-", 1)[1]))
-        return _replaced(attention, "rotary_paged_decode_attention",
+        return _replaced("attention.rotary_paged_decode_attention",
                          functools.partial(decode_pallas.rotary_paged_decode_attention, **option))
     if name == "norm-project-8x2048":
-        return _replaced(linear, "norm_project", _norm_project_blocked(8, 2048))
+        return _replaced("linear.norm_project", _norm_project_blocked(8, 2048), pallas=False)
     if name.startswith("trigger-"):
         return pdl.trigger_points(_trigger_points(name))
     raise ValueError(f"unknown variant {name!r}")

@@ -11,6 +11,7 @@ import argparse
 import functools
 import itertools
 import sys
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -273,7 +274,7 @@ def prefill_sweep(flops_rate):
             fn = functools.partial(ragged_paged_attention, scale=128**-0.5, block_q=block_q, block_k=block_k,
                                    num_warps=warps, num_stages=stages)
             try:
-                seconds = device_time(fn, q, k, v, md, iters=5, repeats=3)
+                seconds = device_time(fn, q, k, v, *md, iters=5, repeats=3)
             except Exception as e:
                 out.append({"page_size": page_size, "block_q": block_q, "block_k": block_k, "error": str(e)[:200]})
                 continue
@@ -285,10 +286,17 @@ def prefill_sweep(flops_rate):
     return out
 
 
+class Ragged(NamedTuple):
+    """The ragged attention op's named arrays."""
+
+    positions: jax.Array
+    token_seq_ids: jax.Array
+    block_tables: jax.Array
+    seq_lens: jax.Array
+
+
 def packed_sequences(batch, seq_len, heads, kv_heads, head_dim, page_size, dtype, seed=0):
     """``batch`` whole prompts of ``seq_len`` tokens packed in one ragged step."""
-    from jaxinfer.cache.metadata import AttentionMetadata
-
     key = jax.random.PRNGKey(seed)
     k1, k2, k3 = jax.random.split(key, 3)
     pages = seq_len // page_size
@@ -298,11 +306,8 @@ def packed_sequences(batch, seq_len, heads, kv_heads, head_dim, page_size, dtype
     q = jax.random.normal(k3, (batch * seq_len, heads, head_dim), dtype)
     positions = jnp.tile(jnp.arange(seq_len, dtype=jnp.int32), batch)
     seq_ids = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), seq_len)
-    slots = jnp.asarray(perm, jnp.int32)[seq_ids, positions // page_size] * page_size + positions % page_size
-    md = AttentionMetadata(positions=positions, slot_mapping=slots, token_seq_ids=seq_ids,
-                           block_tables=jnp.asarray(perm, jnp.int32), seq_lens=jnp.full((batch,), seq_len, jnp.int32),
-                           logits_indices=(jnp.arange(batch, dtype=jnp.int32) + 1) * seq_len - 1)
-    return q, k, v, md
+    ragged = Ragged(positions, seq_ids, jnp.asarray(perm, jnp.int32), jnp.full((batch,), seq_len, jnp.int32))
+    return q, k, v, ragged
 
 
 def prefill_checks(flops_rate, page_sizes=(16,), parity_only=False):
@@ -328,18 +333,16 @@ def prefill_checks(flops_rate, page_sizes=(16,), parity_only=False):
             q, k, v, md = packed_sequences(batch, seq_len, heads, kv_heads, head_dim, page_size, dtype)
             # Chunked prefill: the last 100 tokens of each sequence are new, the rest are cached.
             keep = np.concatenate([np.arange(i * seq_len + seq_len - 100, (i + 1) * seq_len) for i in range(batch)])
-            sub = md.replace(positions=md.positions[keep], slot_mapping=md.slot_mapping[keep],
-                             token_seq_ids=md.token_seq_ids[keep])
+            sub = md._replace(positions=md.positions[keep], token_seq_ids=md.token_seq_ids[keep])
             q = q[keep]
-            if pad:  # padding tokens (slot < 0) after the real ones, as the engine packs a step
-                sub = sub.replace(positions=jnp.pad(sub.positions, (0, pad)),
-                                  slot_mapping=jnp.pad(sub.slot_mapping, (0, pad), constant_values=-1),
-                                  token_seq_ids=jnp.pad(sub.token_seq_ids, (0, pad)))
+            if pad:  # padding tokens (sequence -1) after the real ones, as the engine packs a step
+                sub = sub._replace(positions=jnp.pad(sub.positions, (0, pad)),
+                                   token_seq_ids=jnp.pad(sub.token_seq_ids, (0, pad), constant_values=-1))
                 q = jnp.pad(q, ((0, pad), (0, 0), (0, 0)), constant_values=1)
             scale = head_dim**-0.5
             f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-            ref = reference.ragged_paged_attention(f32(q), f32(k), f32(v), sub, scale=scale, **extra)
-            ref = jnp.where((sub.slot_mapping >= 0)[:, None, None], ref, 0.0)  # padding tokens give zeros
+            ref = reference.ragged_paged_attention(f32(q), f32(k), f32(v), *sub, scale=scale, **extra)
+            ref = jnp.where((sub.token_seq_ids >= 0)[:, None, None], ref, 0.0)  # padding tokens give zeros
             tol = 2e-2 if dtype == jnp.bfloat16 else 2e-3
             mosaic = prefill_mgpu.supports(q, k, **extra)
             # The Mosaic GPU kernel also with two heads per program, as it runs on larger steps.
@@ -348,7 +351,7 @@ def prefill_checks(flops_rate, page_sizes=(16,), parity_only=False):
                 runs["mosaic_gpu, 2 heads per program"] = functools.partial(prefill_mgpu.ragged_paged_attention,
                                                                             heads_per_program=2)
             for kernel, fn in runs.items():
-                got = fn(q, k, v, sub, scale=scale, **extra)
+                got = fn(q, k, v, *sub, scale=scale, **extra)
                 err = float(jnp.max(jnp.abs(f32(got) - ref)))  # NaN never passes
                 out["parity"].append({"batch": batch, "seq_len": seq_len, "heads": heads, "kv_heads": kv_heads,
                                       "head_dim": head_dim, "page_size": page_size, "dtype": jnp.dtype(dtype).name,
@@ -362,8 +365,8 @@ def prefill_checks(flops_rate, page_sizes=(16,), parity_only=False):
         q, k, v, md = packed_sequences(batch, seq_len, heads, heads, 128, page_size, jnp.bfloat16)
         dense_q = jax.random.normal(jax.random.PRNGKey(1), (batch, seq_len, heads, 128), jnp.bfloat16)
         contenders = {
-            "ours": (functools.partial(attention.ragged_paged_attention, scale=128**-0.5), (q, k, v, md)),
-            "triton": (functools.partial(prefill_pallas.ragged_paged_attention, scale=128**-0.5), (q, k, v, md)),
+            "ours": (functools.partial(attention.ragged_paged_attention, scale=128**-0.5), (q, k, v, *md)),
+            "triton": (functools.partial(prefill_pallas.ragged_paged_attention, scale=128**-0.5), (q, k, v, *md)),
             "cudnn": (functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn"),
                       (dense_q, dense_q, dense_q)),
             "jax_pallas_mha": (functools.partial(jax_mha, segment_ids=None, causal=True), (dense_q, dense_q, dense_q)),

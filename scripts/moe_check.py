@@ -21,6 +21,7 @@ from benchlib import (copy_bandwidth, device_time, environment, kernel_breakdown
 
 from jaxinfer.kernels.moe import reference  # noqa: E402
 from jaxinfer.kernels import moe as moe_ops  # noqa: E402
+from jaxinfer.kernels import registry  # noqa: E402
 from jaxinfer.kernels.moe import block_mgpu, grouped_pallas, grouping, grouping_pallas, router_pallas  # noqa: E402
 from jaxinfer.kernels.norm import reference as norm_reference  # noqa: E402
 
@@ -239,11 +240,8 @@ def block_check(layers=8, eps=1e-6):
     Timing: the chain of ``layers`` blocks (each block's input the last one's output, each its
     own weights and flag) as kernels against the same chain of the engine's ops (add + norm kernel,
     router projection, routing kernel, grouped experts), ``device_time`` over chained calls."""
-    if not block_mgpu.supports(jnp.zeros((1, 2048), jnp.bfloat16), *(jnp.zeros(s, jnp.bfloat16) for s in
-                               ((128, 768, 2048), (128, 768, 2048), (128, 2048, 768), (128, 2048))),
-                               top_k=8, router="softmax_topk", norm_topk_prob=True, activation="silu",
-                               has_biases=False):
-        return {"skipped": "this GPU does not take the kernel (it needs 132 SMs)"}
+    if not block_mgpu.device_fits(registry.Target.of_device()):
+        return {"skipped": "this GPU does not take the kernel (a Hopper GPU of 132 SMs)"}
     ws = [_block_layer(l) for l in range(layers)]
     keys = jax.random.split(jax.random.PRNGKey(100), 2)
     attn_out = jax.random.normal(keys[0], (1, 2048), jnp.float32).astype(jnp.bfloat16)
@@ -251,9 +249,12 @@ def block_check(layers=8, eps=1e-6):
     kernel = jax.jit(block_mgpu._build(eps, True))
     rows, x, res = [], attn_out, residual
     for l, w in enumerate(ws):
-        out, h, stream, next_flag, logit_words, _, _ = kernel(
+        flag_words = block_mgpu.flag_words(l + 1)
+        out, h, stream, next_flag, logit_words, _, _, status = kernel(
             x.reshape(-1), res.reshape(-1), w["norm_weight"], w["router_weight"], w["gate"], w["up"], w["down"],
-            block_mgpu.flag_words(l + 1))
+            flag_words)
+        status_ok = not bool(jnp.any(block_mgpu.timed_out(block_mgpu.BlockOutputs(None, None, None, None, status),
+                                                          flag_words)))
         logits = jax.lax.bitcast_convert_type(logit_words[:, 0], jnp.bfloat16).reshape(1, -1)
         flags_ok = bool(jnp.all(logit_words[:, 1] == np.int32(np.uint32((l + 1) | 1 << 31).view(np.int32))))
         normed, h_ref = norm_reference.add_rms_norm(x, res, w["norm_weight"], eps)
@@ -261,19 +262,21 @@ def block_check(layers=8, eps=1e-6):
                                          preferred_element_type=jnp.float32).astype(jnp.bfloat16)
         weights, ids = reference.route(logits, router="softmax_topk", top_k=8, norm_topk_prob=True)
         want = reference.moe_mlp(normed, ids, weights, w["gate"], w["up"], w["down"], distinct_experts=True)
-        engine_stream, _ = moe_ops.moe_block(x, res, **w, flag=None, eps=eps, top_k=8)  # the engine's ops
+        with registry.force("moe.moe_block", "ops"):  # the engine's ops
+            engine_out, engine_h = moe_ops.moe_block(x, res, **w, eps=eps, top_k=8)
+        engine_stream = engine_out + engine_h
         _, engine_ids = moe_ops.route(jax.lax.dot_general(normed, w["router_weight"], (((1,), (1,)), ((), ()))),
                                       router="softmax_topk", top_k=8, norm_topk_prob=True)
         rel = lambda a, b: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))  # noqa: E731
                                  / (jnp.max(jnp.abs(b.astype(jnp.float32))) + 1e-6))
         got = out.reshape(1, -1)
-        row = {"layer": l, "flags_ok": flags_ok, "h_equal": bool(jnp.array_equal(h.reshape(1, -1), h_ref)),
+        row = {"layer": l, "flags_ok": flags_ok, "status_ok": status_ok, "h_equal": bool(jnp.array_equal(h.reshape(1, -1), h_ref)),
                "next_flag_ok": int(next_flag[0]) == l + 2,
                "stream_is_h_plus_out": bool(jnp.array_equal(stream, h + out)),  # rounded as XLA's add
                "logits_rel_err": rel(logits, logits_ref), "out_rel_err": rel(got, want),
                "same_experts_as_engine": bool(jnp.array_equal(jnp.sort(ids), jnp.sort(engine_ids))),
                "stream_rel_err_vs_engine": rel(stream.reshape(1, -1) - h_ref, engine_stream - h_ref)}
-        row["ok"] = (row["flags_ok"] and row["h_equal"] and row["next_flag_ok"] and row["stream_is_h_plus_out"]
+        row["ok"] = (row["flags_ok"] and row["status_ok"] and row["h_equal"] and row["next_flag_ok"] and row["stream_is_h_plus_out"]
                      and row["logits_rel_err"] < 2e-2 and row["out_rel_err"] < 3e-2)
         rows.append(row)
         print(row, flush=True)
@@ -299,9 +302,18 @@ def block_check(layers=8, eps=1e-6):
     # The timed chains' outputs: the kernel's again, after its flags ran up (no stale words passed).
     again = chain(block_mgpu_op)((attn_out, jnp.int32(5)), ws)
     first = chain(block_mgpu_op)((attn_out, jnp.int32(7)), ws)
+    # A wait that gives up is reported: the router's words carry another call's flag.
+    w = ws[0]
+    flag_words = block_mgpu.flag_words(123)
+    stale = block_mgpu.moe_block(attn_out, residual, w["norm_weight"], w["router_weight"], w["gate"], w["up"],
+                                 w["down"], flag_words, eps=eps, stale_router_words=True)
+    gave_up = int(jnp.sum(block_mgpu.timed_out(stale, flag_words)))
+    print({"ctas_reporting_a_timeout_with_stale_router_words": gave_up}, flush=True)
     return {"layers": layers, "parity": rows, "timing": timing,
             "chain_repeatable": bool(jnp.array_equal(again[0], first[0])),
-            "ok": all(r["ok"] for r in rows) and bool(jnp.array_equal(again[0], first[0]))}
+            "ctas_reporting_a_timeout_with_stale_router_words": gave_up,
+            "ok": all(r["ok"] for r in rows) and bool(jnp.array_equal(again[0], first[0]))
+            and gave_up == block_mgpu.NUM_SMS}
 
 
 def block_mgpu_op(x, res, *, norm_weight, router_weight, gate, up, down, flag, eps, top_k):
@@ -309,8 +321,9 @@ def block_mgpu_op(x, res, *, norm_weight, router_weight, gate, up, down, flag, e
 
 
 def engine_ops(x, res, *, norm_weight, router_weight, gate, up, down, flag, eps, top_k):
-    stream, _ = moe_ops.moe_block(x, res, norm_weight, router_weight, gate, up, down, None, eps=eps, top_k=top_k)
-    return stream, flag
+    with registry.force("moe.moe_block", "ops"):
+        out, h = moe_ops.moe_block(x, res, norm_weight, router_weight, gate, up, down, eps=eps, top_k=top_k)
+    return out + h, flag
 
 
 def main():

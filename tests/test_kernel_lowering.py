@@ -7,14 +7,14 @@ platform does, without a GPU: the Triton compiler itself only runs there.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxinfer.cache.metadata import AttentionMetadata
-from jaxinfer.kernels import pdl
+from jaxinfer.kernels import attention, pdl
 from jaxinfer.kernels.attention.decode_pallas import paged_decode_attention, rotary_paged_decode_attention
 from jaxinfer.kernels.attention import prefill_mgpu
 from jaxinfer.kernels.attention.prefill_pallas import ragged_paged_attention
@@ -26,6 +26,7 @@ from jaxinfer.kernels.moe.grouped_pallas import moe_mlp
 from jaxinfer.kernels.moe.grouping_pallas import group_by_expert
 from jaxinfer.kernels.moe.router_pallas import route
 from jaxinfer.kernels.norm.rms_norm_pallas import add_rms_norm
+from jaxinfer.kernels.registry import Target
 
 S = jax.ShapeDtypeStruct
 BF16, I32 = jnp.bfloat16, jnp.int32
@@ -82,12 +83,10 @@ def test_rotary_decode_lowers(batch, context, qk_norm, options):
                                                                   (8, 2, 256, 64)])
 def test_prefill_lowers(heads, kv_heads, head_dim, page_size):
     t, seqs, pages = 2048, 4, 64
-    md = AttentionMetadata(positions=S((t,), I32), slot_mapping=S((t,), I32), token_seq_ids=S((t,), I32),
-                           block_tables=S((seqs, pages), I32), seq_lens=S((seqs,), I32),
-                           logits_indices=S((seqs,), I32))
+    ragged = (S((t,), I32), S((t,), I32), S((seqs, pages), I32), S((seqs,), I32))  # positions, seq ids, tables, lens
     text = _lower_for_gpu(functools.partial(ragged_paged_attention, scale=0.1),
                           S((t, heads, head_dim), BF16), S((kv_heads, seqs * pages, page_size, head_dim), BF16),
-                          S((kv_heads, seqs * pages, page_size, head_dim), BF16), md)
+                          S((kv_heads, seqs * pages, page_size, head_dim), BF16), *ragged)
     assert "ragged_paged_prefill" in text
 
 
@@ -98,13 +97,11 @@ def test_prefill_lowers(heads, kv_heads, head_dim, page_size):
 def test_prefill_mosaic_gpu_lowers(heads, kv_heads, head_dim, page_size, heads_per_program):
     # The warp-specialised kernel (Mosaic GPU) lowers for the GPU on a CPU-only machine too.
     t, seqs, pages = 1000, 3, 32
-    md = AttentionMetadata(positions=S((t,), I32), slot_mapping=S((t,), I32), token_seq_ids=S((t,), I32),
-                           block_tables=S((seqs, pages), I32), seq_lens=S((seqs,), I32),
-                           logits_indices=S((seqs,), I32))
+    ragged = (S((t,), I32), S((t,), I32), S((seqs, pages), I32), S((seqs,), I32))  # positions, seq ids, tables, lens
     text = _lower_for_gpu(functools.partial(prefill_mgpu.ragged_paged_attention, scale=0.1,
                                             heads_per_program=heads_per_program),
                           S((t, heads, head_dim), BF16), S((kv_heads, seqs * pages, page_size, head_dim), BF16),
-                          S((kv_heads, seqs * pages, page_size, head_dim), BF16), md)
+                          S((kv_heads, seqs * pages, page_size, head_dim), BF16), *ragged)
     assert "mosaic_gpu" in text
 
 
@@ -113,12 +110,11 @@ def test_prefill_mosaic_gpu_pairs_heads_only_where_programs_fill_the_gpu():
     assert prefill_mgpu.default_heads_per_program(67 * 32, 32, 132) == 2
     assert prefill_mgpu.default_heads_per_program(37 * 16, 16, 132) == 1
     assert prefill_mgpu.default_heads_per_program(67 * 33, 33, 132) == 1  # odd head count
-    md = AttentionMetadata(positions=S((64,), I32), slot_mapping=S((64,), I32), token_seq_ids=S((64,), I32),
-                           block_tables=S((1, 4), I32), seq_lens=S((1,), I32), logits_indices=S((1,), I32))
+    ragged = (S((64,), I32), S((64,), I32), S((1, 4), I32), S((1,), I32))
     for bad in (3, 0):
         with pytest.raises(ValueError, match=f"heads_per_program={bad} does not divide the 4 query heads"):
             _lower_for_gpu(functools.partial(prefill_mgpu.ragged_paged_attention, scale=0.1, heads_per_program=bad),
-                           S((64, 4, 128), BF16), S((4, 4, 16, 128), BF16), S((4, 4, 16, 128), BF16), md)
+                           S((64, 4, 128), BF16), S((4, 4, 16, 128), BF16), S((4, 4, 16, 128), BF16), *ragged)
 
 
 def test_prefill_mosaic_gpu_refuses_what_it_does_not_take():
@@ -129,26 +125,26 @@ def test_prefill_mosaic_gpu_refuses_what_it_does_not_take():
     assert not prefill_mgpu.supports(jnp.zeros((8, 4, 256), BF16), jnp.zeros((4, 2, 16, 256), BF16))
     with pytest.raises(ValueError, match="does not take"):
         prefill_mgpu.ragged_paged_attention(q.astype(jnp.float32), cache.astype(jnp.float32),
-                                            cache.astype(jnp.float32), None, scale=0.1)
+                                            cache.astype(jnp.float32), None, None, None, None, scale=0.1)
 
 
-@pytest.mark.parametrize("options, hopper, interpret, expected", [
-    ({}, True, False, "mosaic_gpu"),
-    ({"sliding_window": None, "logit_softcap": None, "sinks": None}, True, False, "mosaic_gpu"),
-    ({"sliding_window": 64}, True, False, "triton"),
-    ({"block_q": 64}, True, False, "triton"),  # Triton tuning options go to the Triton kernel
-    ({}, False, False, "triton"),  # not a Hopper GPU
-    ({}, True, True, "triton"),  # interpret mode (CPU tests)
+HOPPER = Target(platform="gpu", device_kind="NVIDIA H200", compute_capability="9.0", sm_count=132)
+
+
+@pytest.mark.parametrize("options, target, expected", [
+    ({}, HOPPER, "mgpu"),
+    ({"sliding_window": None, "logit_softcap": None, "sinks": None}, HOPPER, "mgpu"),
+    ({"sliding_window": 64}, HOPPER, "triton"),
+    ({"block_q": 64}, HOPPER, "triton"),  # Triton tuning options go to the Triton kernel
+    ({}, dataclasses.replace(HOPPER, compute_capability="8.0"), "triton"),  # not a Hopper GPU
+    ({}, Target.interpreted(), "triton"),  # interpret mode (CPU tests)
+    ({}, Target.of_device(jax.devices("cpu")[0]), "reference"),
 ])
-def test_gpu_prefill_picks_the_kernel_that_takes_the_call(monkeypatch, options, hopper, interpret, expected):
-    from jaxinfer.kernels import attention
-
-    monkeypatch.setattr(attention, "_on_hopper", lambda: hopper)
-    monkeypatch.setattr(prefill_mgpu, "ragged_paged_attention", lambda *a, **k: "mosaic_gpu")
-    monkeypatch.setattr(attention.prefill_pallas, "ragged_paged_attention", lambda *a, **k: "triton")
+def test_gpu_prefill_picks_the_kernel_that_takes_the_call(options, target, expected):
     q, cache = jnp.zeros((8, 4, 128), BF16), jnp.zeros((4, 2, 16, 128), BF16)
-    chosen = attention._gpu_ragged_paged_attention(q, cache, cache, None, scale=0.1, interpret=interpret, **options)
-    assert chosen == expected
+    ragged = (jnp.zeros(8, I32), jnp.zeros(8, I32), jnp.zeros((1, 2), I32), jnp.ones(1, I32))
+    chosen = attention.ragged_paged_attention_op.choose(target, q, cache, cache, *ragged, scale=0.1, **options)
+    assert chosen.name == expected
 
 
 @pytest.mark.parametrize("tokens, experts, top_k, hidden, inter, grouping_kernels", [

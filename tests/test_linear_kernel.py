@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.kernels import linear as linear_ops
+from jaxinfer.kernels import registry
 from jaxinfer.kernels.linear import reference, skinny_pallas
 
 
@@ -91,8 +92,10 @@ def test_norm_project_op_on_the_kernels(rows, with_residual):
     x, weights, biases = _case(rows, (32, 16), 64, jnp.float32, (jnp.float32, None), seed=5)
     residual = jnp.asarray(np.random.RandomState(6).randn(rows, 64), jnp.float32) if with_residual else None
     g = jnp.asarray(np.random.RandomState(7).uniform(0.5, 1.5, 64), jnp.float32)
-    pallas = linear_ops._dispatch.implementations["pallas"]["norm_project"]
-    got, got_sum = pallas(x, residual, g, weights, biases, eps=1e-5, interpret=True)
+    with registry.targeting(registry.Target.interpreted()), registry.recording() as chosen:
+        got, got_sum = linear_ops.norm_project(x, residual, g, weights, biases, eps=1e-5)
+    assert chosen == {"linear.norm_project": {"skinny" if rows == 1 else "ops"},
+                      **({} if rows == 1 else {"norm.add_rms_norm": {"pallas"}, "linear.project": {"reference"}})}
     want, want_sum = linear_ops.norm_project(x, residual, g, weights, biases, eps=1e-5)  # the reference on CPU
     np.testing.assert_array_equal(np.asarray(got_sum), np.asarray(want_sum))
     for g_out, w_out in zip(got, want):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.kernels import mla
+from jaxinfer.kernels import mla, registry
 from jaxinfer.kernels.mla import decode_pallas, reference
 
 # Jitted once for the whole file: op-by-op the references dispatch dozens of small computations.
@@ -267,25 +267,23 @@ def test_supports_refuses_what_the_kernel_cannot_take(q_latent, q_rope, cache, o
     assert decode_pallas.supports(_shape(2, 8, 64), _shape(2, 8, 16), _shape(4, 16, 80))
 
 
-def test_dispatch_takes_the_kernel_only_where_supported(monkeypatch):
-    calls = []
+def test_dispatch_takes_the_kernel_only_where_supported():
+    op = mla.mla_paged_decode_attention_op
+    gpu = registry.Target(platform="gpu", compute_capability="9.0", sm_count=132)
+    for latent_dim, dtype, target, expected in [
+        (32, jnp.bfloat16, gpu, "triton"),
+        (32, jnp.float32, gpu, "reference"),  # XLA's fusion was faster in float32
+        (48, jnp.bfloat16, gpu, "reference"),  # refused: R not a power of two
+        (32, jnp.float32, registry.Target.interpreted(), "triton"),
+        (32, jnp.bfloat16, registry.current_target(), "reference"),  # the CPU
+    ]:
+        args = _kernel_case(3, 4, latent_dim, 16, 4, [0, 9, 14], dtype, seed=7)
+        assert op.choose(target, *args, scale=0.2).name == expected, (latent_dim, dtype, target)
+    args = _kernel_case(3, 4, 32, 16, 4, [0, 9, 14], jnp.float32, seed=7)
+    with registry.targeting(registry.Target.interpreted()), registry.recording() as chosen:
+        out = mla.mla_paged_decode_attention(*args, scale=0.2)
+    assert chosen == {"mla.mla_paged_decode_attention": {"triton"}}
+    np.testing.assert_allclose(np.asarray(out), np.asarray(decode_reference(*args, scale=0.2)), rtol=1e-5, atol=1e-5)
     kernel = decode_pallas.mla_paged_decode_attention
-
-    def counting_kernel(*args, **kwargs):
-        calls.append(args[0].shape)
-        return kernel(*args, **kwargs)
-
-    monkeypatch.setattr(decode_pallas, "mla_paged_decode_attention", counting_kernel)
-    assert mla.implementation_name() == "reference"  # on CPU
-    mla.set_implementation("pallas")
-    try:
-        for latent_dim in (48, 32):  # refused (not a power of two), then taken
-            args = _kernel_case(3, 4, latent_dim, 16, 4, [0, 9, 14], jnp.float32, seed=7)
-            out = mla.mla_paged_decode_attention(*args, scale=0.2, interpret=True)
-            expected = decode_reference(*args, scale=0.2)
-            np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-5, atol=1e-5)
-        assert calls == [(3, 4, 32)]
-    finally:
-        mla.set_implementation(None)
     with pytest.raises(ValueError, match="R=48 must be a power of two"):
         kernel(*_kernel_case(1, 4, 48, 16, 4, [3], jnp.float32), scale=0.2, interpret=True)

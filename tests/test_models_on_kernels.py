@@ -1,7 +1,7 @@
 """Whole models through the Pallas kernels (interpret mode, CPU) against HF transformers.
 
-On a GPU the op dispatchers pick the kernels; on CPU they pick the references, so the other model
-tests never run the kernels. Here every kernel op is installed in interpret mode: logits (prefill
+On a GPU the registry picks the kernels; on CPU it picks the references, so the other model tests
+never run the kernels. Here the target is the kernels in interpret mode: logits (prefill
 attention, the fused q/k norm + RoPE + cache write, residual add + RMSNorm, routing, the grouped
 GEMMs) and greedy tokens (decode attention, the few-row q/k/v and gate/up projections) must still
 match HF.
@@ -9,17 +9,14 @@ match HF.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 import torch
 
 from jaxinfer import load_model
-from jaxinfer.kernels import attention, linear, moe, norm
+from jaxinfer.kernels import registry
 from jaxinfer.kernels.linear import reference as linear_reference
 from jaxinfer.kernels.linear import skinny_pallas
-from jaxinfer.kernels.moe import router_pallas
 from tests.conftest import assert_greedy_matches_hf, random_prompts
 from tests.test_moe import CASES as MOE_CASES
 from tests.test_moe import MOE
@@ -31,25 +28,27 @@ CASES = {
 }
 
 
-def _few_row_projections(x, weights, biases=None):
+def _few_row_projections(x, weights, biases=None, *, interpret: bool):
     if x.size // x.shape[-1] <= skinny_pallas.MAX_ROWS:
-        return skinny_pallas.project(x, weights, biases, interpret=True)
+        return skinny_pallas.project(x, weights, biases, interpret=interpret)
     return linear_reference.project(x, weights, biases)
 
 
 @pytest.fixture
-def interpreted_kernels(monkeypatch):
-    for ops in (attention, linear, moe, norm):
-        dispatch = ops._dispatch
-        kernels = {op: functools.partial(fn, interpret=True) for op, fn in dispatch.implementations["pallas"].items()}
-        # The kernels themselves, not their size policies: the models route through the routing
-        # kernel at every size, and decode steps of up to 16 rows project through the few-row kernel.
-        if ops is moe:
-            kernels["route"] = functools.partial(router_pallas.route, interpret=True)
-        if ops is linear:
-            kernels["project"] = _few_row_projections
-        monkeypatch.setitem(dispatch.implementations, "pallas", kernels)
-        monkeypatch.setattr(dispatch, "forced", "pallas")
+def interpreted_kernels():
+    """The kernels in interpret mode, and what served each op. The kernels themselves, not their
+    size policies: the models route through the routing kernel at every size, and decode steps of up
+    to 16 rows project through the few-row kernel."""
+    with registry.targeting(registry.Target.interpreted()), registry.force("moe.route", "router"), \
+            registry.variant("linear.project", _few_row_projections), registry.recording() as chosen:
+        yield chosen
+
+
+# The ops every model here runs through a kernel (never the reference) in interpret mode.
+KERNEL_OPS = {"attention.rotary_cache_write": {"rotary"}, "attention.ragged_paged_attention": {"triton"},
+              "attention.rotary_paged_decode_attention": {"triton"}, "norm.add_rms_norm": {"pallas"}}
+MOE_KERNEL_OPS = {"moe.route": {"router"}, "moe.moe_mlp": {"grouped"}}
+MOE_FAMILIES = {family for family, _ in MOE_CASES.values()}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -61,3 +60,6 @@ def test_kernels_match_hf(case, hf_checkpoint, interpreted_kernels):
         ref = hf_model(torch.tensor([ids])).logits[0].numpy()
     np.testing.assert_allclose(load_model(path, dtype="float32").logits(ids), ref, atol=1e-4, rtol=0)
     assert_greedy_matches_hf(path, hf_model, random_prompts([9, 26], seed=2), max_num_seqs=2)
+    expected = dict(KERNEL_OPS, **(MOE_KERNEL_OPS if family in MOE_FAMILIES else {}))
+    assert {op: interpreted_kernels.get(op) for op in expected} == expected
+    assert interpreted_kernels["linear.project"] == {"variant"}

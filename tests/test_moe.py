@@ -17,6 +17,8 @@ from safetensors.numpy import load_file, save_file
 
 from jaxinfer import load_model
 from jaxinfer.kernels import moe as moe_ops
+from jaxinfer.kernels import registry
+from jaxinfer.kernels.context import KernelContext
 from jaxinfer.kernels.moe import block_mgpu, gated_activation, moe_mlp
 from jaxinfer.models.gpt_oss import FP4_VALUES, dequantize_mxfp4
 from jaxinfer.models.layers.moe import MoESpec, SparseMoE, route
@@ -166,38 +168,41 @@ class _MoEBlock(nn.Module):
     whole: bool
 
     @nn.compact
-    def __call__(self, attn_out, residual, flag=None):
+    def __call__(self, attn_out, residual):
         moe = SparseMoE(self.spec, name="mlp")
         if self.whole:
             weight = NormWeight(attn_out.shape[-1], name="post_attention_layernorm")()
-            return moe(attn_out, block=(residual, weight, 1e-6, flag))
+            return moe(attn_out, block=(residual, weight, 1e-6, KernelContext(jnp.int32(7))))
         h, residual = RMSNorm(1e-6, name="post_attention_layernorm")(attn_out, residual)
         return moe(h), residual
 
 
-def test_one_token_moe_block_is_the_norm_and_the_block():
+@pytest.mark.parametrize("num_tokens", [1, 5])
+def test_moe_block_is_the_norm_and_the_block(num_tokens):
     spec = MoESpec(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True)
     rng = np.random.RandomState(0)
-    attn_out, residual = (jnp.asarray(rng.randn(1, 64), jnp.float32) for _ in range(2))
+    attn_out, residual = (jnp.asarray(rng.randn(num_tokens, 64), jnp.float32) for _ in range(2))
     params = _MoEBlock(spec, whole=False).init(jax.random.PRNGKey(0), attn_out, residual)
     whole_params = _MoEBlock(spec, whole=True).init(jax.random.PRNGKey(0), attn_out, residual)
     assert jax.tree.map(jnp.shape, whole_params) == jax.tree.map(jnp.shape, params)  # one checkpoint layout
-    out, h = _MoEBlock(spec, whole=False).apply(params, attn_out, residual)
-    for flag in (None, moe_ops.flag_words(7)):
-        stream, next_flag = _MoEBlock(spec, whole=True).apply(params, attn_out, residual, flag)
-        np.testing.assert_array_equal(np.asarray(stream), np.asarray(h + out))  # the layer's output, as HF adds it
-        # No kernel used the flag: passed on unchanged.
-        assert next_flag is None if flag is None else np.array_equal(np.asarray(next_flag), np.asarray(flag))
+    for target in (registry.current_target(), registry.Target.interpreted()):  # the reference; the block's ops
+        with registry.targeting(target):
+            out, h = _MoEBlock(spec, whole=False).apply(params, attn_out, residual)
+            block_out, block_residual = _MoEBlock(spec, whole=True).apply(params, attn_out, residual)
+        np.testing.assert_array_equal(np.asarray(block_out), np.asarray(out))
+        np.testing.assert_array_equal(np.asarray(block_residual), np.asarray(h))
 
 
-def test_which_moe_blocks_take_the_norm_with_them():
+def test_which_moe_blocks_are_one_op():
     spec = MoESpec(num_experts=8, top_k=2, intermediate_size=32)
-    assert SparseMoE.takes_whole_block(spec, 1)
-    assert not SparseMoE.takes_whole_block(spec, 2)
+    assert spec.is_plain_block
     for other in (dict(router="sigmoid_bias"), dict(router="topk_softmax"), dict(expert_bias=True),
                   dict(router_bias=True), dict(activation="gpt_oss"), dict(shared_intermediate_size=16),
-                  dict(routed_scaling_factor=2.5)):
-        assert not SparseMoE.takes_whole_block(dataclasses.replace(spec, **other), 1), other
+                  dict(routed_scaling_factor=2.5), dict(router_float32=True)):
+        assert not dataclasses.replace(spec, **other).is_plain_block, other
+
+
+HOPPER = registry.Target(platform="gpu", device_kind="NVIDIA H200", compute_capability="9.0", sm_count=132)
 
 
 def test_moe_block_kernel_takes_only_its_shapes():
@@ -211,9 +216,19 @@ def test_moe_block_kernel_takes_only_its_shapes():
     assert not block_mgpu.fits(bf(2, 2048), gate, gate, down, router, **semantics)
     assert not block_mgpu.fits(x.astype(jnp.float32), gate, gate, down, router, **semantics)
     assert not block_mgpu.fits(x, bf(64, 768, 2048), gate, down, router, **semantics)
-    assert not block_mgpu.device_fits()  # no GPU here
-    assert not block_mgpu.supports(x, gate, gate, down, router, **semantics)
-    norm, flag = bf(2048), block_mgpu.flag_words(1)
+    # Where it runs: a Hopper GPU of 132 SMs, one device, a kernel context for its flags.
+    assert block_mgpu.device_fits(HOPPER)
+    for other in (dict(sm_count=114), dict(mesh_size=2), dict(compute_capability="8.0"), dict(platform="cpu")):
+        assert not block_mgpu.device_fits(dataclasses.replace(HOPPER, **other)), other
+    assert not block_mgpu.device_fits(registry.Target.interpreted())  # Mosaic GPU has no interpreter
+    norm, context = bf(2048), KernelContext(jnp.int32(3))
+    block = moe_ops.moe_block_op
+    args = (x, x, norm, router, gate, gate, down)
+    assert block.choose(HOPPER, *args, eps=1e-6, top_k=8, context=context).name == "block_mgpu"
+    assert block.choose(HOPPER, *args, eps=1e-6, top_k=8).name == "ops"  # no context: no flags
+    assert block.choose(HOPPER, *args, eps=1e-6, top_k=4, context=context).name == "ops"
+    assert block.choose(registry.current_target(), *args, eps=1e-6, top_k=8, context=context).name == "reference"
+    flag = block_mgpu.flag_words(1)
     with pytest.raises(ValueError, match="does not take attn_out float32"):
         block_mgpu.moe_block(x.astype(jnp.float32), x, norm, router, gate, gate, down, flag, eps=1e-6)
     with pytest.raises(ValueError, match="residual"):
@@ -222,6 +237,25 @@ def test_moe_block_kernel_takes_only_its_shapes():
         block_mgpu.moe_block(x, x, norm, router, gate, gate, down, None, eps=1e-6)
     with pytest.raises(ValueError, match=r"32 int32 words \(block_mgpu.flag_words\(flag\)\), not int32\(\)"):
         block_mgpu.moe_block(x, x, norm, router, gate, gate, down, jnp.int32(1), eps=1e-6)
+
+
+def test_moe_block_kernel_status_words_report_every_failure():
+    flag = block_mgpu.flag_words(jnp.int32(41))
+    own = np.int32(np.uint32(41 | 1 << 31).view(np.int32))
+    status = np.zeros((block_mgpu.NUM_SMS, 2), np.int32)
+    status[:, 1] = own
+
+    def failed(words):
+        outputs = block_mgpu.BlockOutputs(None, None, None, None, jnp.asarray(words))
+        return np.asarray(block_mgpu.timed_out(outputs, flag))
+
+    assert not failed(status).any()
+    gave_up = status.copy()
+    gave_up[5, 0] = 1  # a wait of CTA 5 reached its spin limit
+    assert failed(gave_up).tolist() == [i == 5 for i in range(block_mgpu.NUM_SMS)]
+    never_ran = status.copy()
+    never_ran[7, 1] = own - 1  # CTA 7's word is an earlier call's: it never ran
+    assert failed(never_ran)[7] and failed(never_ran).sum() == 1
 
 
 def test_moe_block_flag_words():

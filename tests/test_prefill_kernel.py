@@ -35,7 +35,7 @@ def make_step(seqs, *, heads, kv_heads, head_dim, page_size, dtype, num_pad_toke
             slots.append(block_tables[s, p // page_size] * page_size + p % page_size)
     num_real = len(positions)
     positions += [0] * num_pad_tokens
-    seq_ids += [0] * num_pad_tokens
+    seq_ids += [-1] * num_pad_tokens  # padding belongs to no sequence
     slots += [-1] * num_pad_tokens
     seq_lens = np.array([c + n for c, n in seqs] + [0] * num_pad_seqs, np.int32)
     md = AttentionMetadata(
@@ -47,6 +47,11 @@ def make_step(seqs, *, heads, kv_heads, head_dim, page_size, dtype, num_pad_toke
     k_cache = jnp.array(rng.randn(kv_heads, num_pages, page_size, head_dim), dtype)
     v_cache = jnp.array(rng.randn(kv_heads, num_pages, page_size, head_dim), dtype)
     return q, k_cache, v_cache, md, num_real
+
+
+def ragged(md):
+    """The ragged attention op's named arrays."""
+    return md.positions, md.token_seq_ids, md.block_tables, md.seq_lens
 
 
 RAGGED = [(0, 37), (21, 5), (40, 1), (3, 20)]  # fresh prompt, chunked prefill, decode-like, short prefix
@@ -88,8 +93,8 @@ def test_matches_reference(name):
     if options.pop("sinks", False):
         options["sinks"] = jnp.array(np.random.RandomState(1).randn(heads) * 2.0, jnp.float32)
     scale = head_dim ** -0.5
-    want = reference.ragged_paged_attention(q, k_cache, v_cache, md, scale=scale, **options)
-    got = prefill_pallas.ragged_paged_attention(q, k_cache, v_cache, md, scale=scale, interpret=True,
+    want = reference.ragged_paged_attention(q, k_cache, v_cache, *ragged(md), scale=scale, **options)
+    got = prefill_pallas.ragged_paged_attention(q, k_cache, v_cache, *ragged(md), scale=scale, interpret=True,
                                                 **options, **blocks)
     assert got.shape == q.shape and got.dtype == q.dtype
     assert bool(jnp.isfinite(got.astype(jnp.float32)).all()), "NaN/inf in the output (padding included)"
@@ -104,10 +109,10 @@ def test_options_change_the_output():
     q, k_cache, v_cache, md, num_real = make_step(RAGGED, heads=8, kv_heads=2, head_dim=64, page_size=16,
                                                   dtype=jnp.float32)
     run = lambda **o: np.asarray(prefill_pallas.ragged_paged_attention(
-        q, k_cache, v_cache, md, scale=0.125, interpret=True, **o)[:num_real])
+        q, k_cache, v_cache, *ragged(md), scale=0.125, interpret=True, **o)[:num_real])
     base = run()
     np.testing.assert_allclose(base, np.asarray(reference.ragged_paged_attention(
-        q, k_cache, v_cache, md, scale=0.125)[:num_real]), atol=1e-5)
+        q, k_cache, v_cache, *ragged(md), scale=0.125)[:num_real]), atol=1e-5)
     for options in (dict(sliding_window=12), dict(sinks=jnp.full((8,), 3.0)), dict(logit_softcap=1.0)):
         assert np.abs(run(**options) - base).max() > 1e-2, options
 
@@ -129,7 +134,7 @@ def test_query_blocks(window, block_q, page_size, pages_per_block):
     block_k = page_size * pages_per_block
     num_blocks = min(t, -(-t // block_q) + num_seqs)
     meta, row_pos, row_tok, row_valid = map(np.asarray, prefill_pallas.query_blocks(
-        md, block_q=block_q, num_blocks=num_blocks, page_size=page_size, block_k=block_k,
+        md.positions, md.token_seq_ids, md.seq_lens, md.token_seq_ids >= 0, block_q=block_q, num_blocks=num_blocks, page_size=page_size, block_k=block_k,
         pages_per_seq=pages_per_seq, sliding_window=window))
     positions, seq_ids = np.asarray(md.positions), np.asarray(md.token_seq_ids)
     seq_lens = np.asarray(md.seq_lens)
@@ -180,13 +185,13 @@ def test_rejects_bad_block_sizes():
     q, k_cache, v_cache, md, _ = make_step([(0, 5)], heads=2, kv_heads=2, head_dim=64, page_size=16,
                                            dtype=jnp.float32)
     with pytest.raises(ValueError, match="block_q"):
-        prefill_pallas.ragged_paged_attention(q, k_cache, v_cache, md, scale=1.0, interpret=True, block_q=8)
+        prefill_pallas.ragged_paged_attention(q, k_cache, v_cache, *ragged(md), scale=1.0, interpret=True, block_q=8)
     with pytest.raises(ValueError, match="block_q"):
-        prefill_pallas.ragged_paged_attention(q, k_cache, v_cache, md, scale=1.0, interpret=True, block_q=24)
+        prefill_pallas.ragged_paged_attention(q, k_cache, v_cache, *ragged(md), scale=1.0, interpret=True, block_q=24)
     with pytest.raises(ValueError, match="block_k"):
-        prefill_pallas.ragged_paged_attention(q, k_cache, v_cache, md, scale=1.0, interpret=True, block_k=8)
+        prefill_pallas.ragged_paged_attention(q, k_cache, v_cache, *ragged(md), scale=1.0, interpret=True, block_k=8)
     with pytest.raises(ValueError, match="pages_per_block"):
-        prefill_pallas.ragged_paged_attention(q, k_cache, v_cache, md, scale=1.0, interpret=True,
+        prefill_pallas.ragged_paged_attention(q, k_cache, v_cache, *ragged(md), scale=1.0, interpret=True,
                                               pages_per_block=3)
 
 
@@ -204,7 +209,7 @@ def test_mosaic_gpu_block_schedule_covers_every_token_once(seqs, num_pad_tokens,
     _, _, _, md, num_real = make_step(seqs, heads=4, kv_heads=2, head_dim=64, page_size=page_size,
                                       dtype=jnp.float32, num_pad_tokens=num_pad_tokens)
     pages_per_seq = md.block_tables.shape[1]
-    meta = np.asarray(prefill_mgpu.block_schedule(md, page_size=page_size, pages_per_seq=pages_per_seq))
+    meta = np.asarray(prefill_mgpu.block_schedule(md.positions, md.token_seq_ids, md.seq_lens, page_size=page_size, pages_per_seq=pages_per_seq))
     positions, seq_ids = np.asarray(md.positions), np.asarray(md.token_seq_ids)
     seq_lens = np.asarray(md.seq_lens)
     block_q, block_kv = prefill_mgpu.COMPUTE_WGS * prefill_mgpu.BLOCK_Q, prefill_mgpu.BLOCK_KV

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.kernels import moe
+from jaxinfer.kernels import moe, registry
 from jaxinfer.kernels.moe import reference, router_pallas
 
 ROUTER_OPTIONS = {
@@ -61,15 +61,11 @@ def test_rejects_bad_arguments():
         router_pallas.route(logits, router="softmax_topk", top_k=9, interpret=True)
 
 
-def test_gpu_dispatch_takes_the_kernel_where_it_measured_faster(monkeypatch):
-    kernel_calls = []
-
-    def counting_kernel(logits, interpret=False, **options):
-        kernel_calls.append(logits.shape)
-        return reference.route(logits, **options)
-
-    monkeypatch.setattr(router_pallas, "route", counting_kernel)
-    gpu_route = moe._dispatch.implementations["pallas"]["route"]
-    for shape in ((1, 128), (8, 128), (64, 32), (4096, 32), (4096, 128)):
-        gpu_route(jnp.zeros(shape, jnp.float32), router="softmax_topk", top_k=2)
-    assert kernel_calls == [(1, 128), (4096, 128)]
+def test_gpu_dispatch_takes_the_kernel_where_it_measured_faster():
+    gpu = registry.Target(platform="gpu", compute_capability="9.0", sm_count=132)
+    chosen = [shape for shape in ((1, 128), (8, 128), (64, 32), (4096, 32), (4096, 128))
+              if moe.route_op.choose(gpu, jnp.zeros(shape, jnp.float32), router="softmax_topk",
+                                     top_k=2).name == "router"]
+    assert chosen == [(1, 128), (4096, 128)]
+    with registry.force("moe.route", "router"):  # forcing skips the preference, not the support
+        assert moe.route_op.choose(gpu, jnp.zeros((8, 128)), router="softmax_topk", top_k=2).name == "router"

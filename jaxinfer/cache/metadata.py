@@ -14,18 +14,18 @@ offset``). Padding tokens belong to no sequence: ``valid[t]`` is False, ``token_
 to sequence ``s`` (a finished row of a decode loop is padding); attention then takes the decode op.
 ``logits_indices[s]`` is the token row whose logits sequence ``s`` samples from (its last token).
 
-``step_id`` (an int32 scalar, or None) numbers the model calls of an engine: no two recent calls
-share one. Kernels whose CTAs hand data to each other as flagged words derive their flag from it
-(``jaxinfer.kernels.mgpu_inline``), so that the words a reused buffer still holds from an earlier
-call never pass for this one's; without it those kernels are not used.
+``kernel_context`` (a ``jaxinfer.kernels.context.KernelContext``, or None) is what some kernels
+need from the engine per model call; models hand it to ops unread. Without it those kernels are not
+chosen.
 """
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import struct
+
+from jaxinfer.kernels.context import KernelContext
 
 
 @struct.dataclass
@@ -36,7 +36,7 @@ class AttentionMetadata:
     block_tables: jax.Array  # [S, pages_per_seq] int32
     seq_lens: jax.Array  # [S] int32
     logits_indices: jax.Array  # [S] int32
-    step_id: jax.Array | None = None  # [] int32
+    kernel_context: KernelContext | None = None
     valid: jax.Array | None = None  # [T] bool
     query_start: jax.Array | None = None  # [S + 1] int32
     state_slots: jax.Array | None = None  # [S] int32, -1: none
@@ -53,7 +53,7 @@ class AttentionMetadata:
 
 
 def build_metadata(num_computed, num_new, block_tables, *, page_size: int, num_tokens: int, state_slots=None,
-                   step_id=None, decode: bool = False, xp=np) -> AttentionMetadata:
+                   kernel_context: KernelContext | None = None, decode: bool = False, xp=np) -> AttentionMetadata:
     """The step's metadata from per-sequence arrays; ``xp`` is ``numpy`` on the host or
     ``jax.numpy`` on the device (the decode loop, a traced forward), with the same result.
 
@@ -91,7 +91,8 @@ def build_metadata(num_computed, num_new, block_tables, *, page_size: int, num_t
         state_slots = xp.asarray(state_slots, int32)
     return AttentionMetadata(
         positions=positions, slot_mapping=slot_mapping, token_seq_ids=xp.where(valid, seq, -1).astype(int32),
-        block_tables=block_tables, seq_lens=seq_lens, logits_indices=logits_indices, step_id=step_id,
+        block_tables=block_tables, seq_lens=seq_lens, logits_indices=logits_indices,
+        kernel_context=kernel_context,
         valid=valid, query_start=query_start, state_slots=state_slots, fresh=(num_computed == 0) & (num_new > 0),
         decode=decode,
     )

@@ -9,6 +9,11 @@
 Both donate the KV caches, so the cache is updated in place. Inputs are built on the host as numpy
 arrays padded to a ``CompileKey`` bucket; the compiled executable for that key is looked up (compiled
 at warm-up), never traced at serving time.
+
+Kernels are chosen for the runner's target (its mesh's devices) and the selection in force when it
+was made (``jaxinfer.kernels.registry``); ``kernel_choices`` keeps each program's. Every model call
+gets a ``KernelContext`` with its own call id; a program also returns whether a kernel reported a
+fault, which raises ``KernelFaultError`` after the call.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from jaxinfer.engine.aot import DECODE, MIXED, CompileKey
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.request import Request
 from jaxinfer.engine.sampling import SamplingBatch, sample, seed_key_data
-from jaxinfer.errors import CompilationAfterWarmupError
+from jaxinfer.errors import CompilationAfterWarmupError, KernelFaultError
+from jaxinfer.kernels import registry as kernel_registry
+from jaxinfer.kernels.context import CALL_ID_PERIOD, KernelContext
 from jaxinfer.loader import LoadedModel
 from jaxinfer.sharding import replicated
 
@@ -39,7 +46,7 @@ class DecodeState:
     active: jax.Array  # [S] bool
     remaining: jax.Array  # [S] int32: tokens the sequence may still generate
     stop_ids: jax.Array  # [S, K] int32, -1 padded
-    step_id: jax.Array  # [] int32: the first step's ``AttentionMetadata.step_id``
+    call_id: jax.Array  # [] int32: the first step's ``KernelContext`` call id
     state_slots: jax.Array | None = None  # [S] int32: each sequence's state slot (layers with state)
 
 
@@ -70,7 +77,11 @@ class ModelRunner:
         self._executables: dict[CompileKey, jax.stages.Compiled] = {}
         self.strict = False  # set once the warm-up is done, in strict mode
         self.compiler_options: dict[str, str | int | bool] = {}  # XLA options for every executable compiled here
-        self.next_step_id = 0  # AttentionMetadata.step_id of the next model call (2**31 of them before a repeat)
+        self.next_call_id = 0  # the KernelContext call id of the next model call
+        self.kernel_selection = kernel_registry.selection(kernel_registry.target_for(model.mesh))
+        self.kernel_choices: dict[CompileKey, dict[str, list[str]]] = {}  # op -> implementations, per program
+        self._fault_reporters: dict[CompileKey, tuple[str, ...]] = {}  # kernels that may report a fault
+        self._fault_sources: tuple[str, ...] = ()  # of the program being traced
         self._programs = {
             MIXED: jax.jit(self._mixed_step, donate_argnums=(1,)),
             DECODE: jax.jit(self._decode_loop, donate_argnums=(1,)),
@@ -81,7 +92,8 @@ class ModelRunner:
     def _mixed_step(self, params, caches, token_ids, md: AttentionMetadata, sampling: SamplingBatch):
         logits, caches = self.model.model.apply({"params": params}, token_ids, md, caches)
         tokens, logprobs = sample(logits, sampling, self.config.max_logprobs)
-        return caches, tokens, logprobs
+        self._fault_sources = md.kernel_context.fault_sources
+        return caches, tokens, logprobs, md.kernel_context.any_fault()
 
     def _decode_loop(self, params, caches, state: DecodeState, sampling: SamplingBatch):
         num_steps, page_size = self.config.decode_steps, self.layout.page_size
@@ -92,11 +104,14 @@ class ModelRunner:
                         jnp.zeros((num_steps, num_seqs, k), jnp.float32))
 
         def step(all_greedy: bool, carry):
-            i, caches, st, out_tokens, out_logprobs = carry
+            i, caches, st, out_tokens, out_logprobs, fault = carry
+            context = KernelContext((st.call_id + i) % CALL_ID_PERIOD)
             md = build_metadata(st.positions, st.active.astype(jnp.int32), st.block_tables, page_size=page_size,
-                                num_tokens=num_seqs, state_slots=st.state_slots, step_id=st.step_id + i, decode=True,
-                                xp=jnp)
+                                num_tokens=num_seqs, state_slots=st.state_slots, kernel_context=context,
+                                decode=True, xp=jnp)
             logits, caches = self.model.model.apply({"params": params}, st.tokens, md, caches)
+            fault = fault | context.any_fault()
+            self._fault_sources = context.fault_sources
             tokens, logprobs = sample(logits, sampling.replace(counters=sampling.counters + i),
                                       self.config.max_logprobs, all_greedy)
             out_tokens = out_tokens.at[i].set(jnp.where(st.active, tokens, -1))
@@ -110,10 +125,10 @@ class ModelRunner:
                 active=st.active & ~stopped,
                 remaining=remaining,
             )
-            return i + 1, caches, st, out_tokens, out_logprobs
+            return i + 1, caches, st, out_tokens, out_logprobs, fault
 
         def keep_going(this_loop_runs, carry):
-            i, _, st, _, _ = carry
+            i, _, st, _, _, _ = carry
             return this_loop_runs & (i < num_steps) & jnp.any(st.active)
 
         # Temperatures do not change within a call, so an all-greedy batch is told apart once, and
@@ -122,12 +137,12 @@ class ModelRunner:
         # in a row, of which only one iterates, rather than a cond around them: a cond's operands
         # (the caches) would be copied.
         all_greedy = jnp.all(sampling.temperature <= 0)  # padding rows are greedy
-        carry = (jnp.int32(0), caches, state, out_tokens, out_logprobs)
+        carry = (jnp.int32(0), caches, state, out_tokens, out_logprobs, jnp.zeros((), bool))
         for greedy_loop in (True, False):
             carry = jax.lax.while_loop(functools.partial(keep_going, all_greedy == greedy_loop),
                                        functools.partial(step, greedy_loop), carry)
-        _, caches, _, out_tokens, out_logprobs = carry
-        return caches, out_tokens, out_logprobs
+        _, caches, _, out_tokens, out_logprobs, fault = carry
+        return caches, out_tokens, out_logprobs, fault
 
     # ---- host-side inputs ----------------------------------------------------------------------
 
@@ -147,7 +162,7 @@ class ModelRunner:
                 state_slots[row] = r.slot
             offset += n
         md = build_metadata(num_computed, num_new, block_tables, page_size=self.layout.page_size, num_tokens=t,
-                            state_slots=state_slots, step_id=self._take_step_ids(1))
+                            state_slots=state_slots, kernel_context=KernelContext(self._take_call_ids(1)))
         return token_ids, md, _sampling_rows([r for r, _ in items], s)
 
     def decode_inputs(self, key: CompileKey, requests: list[Request]):
@@ -170,13 +185,14 @@ class ModelRunner:
             state_slots = np.full(s, -1, np.int32)
             state_slots[:len(requests)] = [r.slot for r in requests]
         state = DecodeState(tokens, positions, block_tables, active, remaining, stop_ids,
-                            self._take_step_ids(self.config.decode_steps), state_slots)
+                            self._take_call_ids(self.config.decode_steps), state_slots)
         return state, _sampling_rows(requests, s)
 
-    def _take_step_ids(self, count: int) -> np.ndarray:
-        """The first of ``count`` consecutive step ids for the call being built (int32, wrapping)."""
-        first = np.int32(self.next_step_id)
-        self.next_step_id = (self.next_step_id + count) % 2 ** 31
+    def _take_call_ids(self, count: int) -> np.ndarray:
+        """The first of ``count`` consecutive call ids for the call being built (int32; they wrap at
+        ``CALL_ID_PERIOD``, as the device loop's do)."""
+        first = np.int32(self.next_call_id)
+        self.next_call_id = (self.next_call_id + count) % CALL_ID_PERIOD
         return first
 
     def _example_inputs(self, key: CompileKey):
@@ -192,7 +208,13 @@ class ModelRunner:
         caches = self.layout.abstract(mesh)
         inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated(mesh)),
                               self._example_inputs(key))
-        return self._programs[key.kind].lower(params, caches, *inputs)
+        self._fault_sources = ()
+        with kernel_registry.applied(self.kernel_selection), kernel_registry.recording() as chosen:
+            lowered = self._programs[key.kind].lower(params, caches, *inputs)
+        if key not in self.kernel_choices:  # a key lowered again reuses its trace: nothing is recorded then
+            self.kernel_choices[key] = {op: sorted(names) for op, names in sorted(chosen.items())}
+            self._fault_reporters[key] = self._fault_sources
+        return lowered
 
     def add_executable(self, key: CompileKey, executable: jax.stages.Compiled) -> None:
         self._executables[key] = executable
@@ -221,8 +243,12 @@ class ModelRunner:
             executable = self._executables[key]
         inputs = jax.device_put(inputs, replicated(self.model.mesh))
         self._call_in_flight = True
-        self.caches, *outputs = executable(self.model.params, self.caches, *inputs)
+        self.caches, *outputs, fault = executable(self.model.params, self.caches, *inputs)
         self._call_in_flight = False
+        if bool(fault):
+            reporters = ", ".join(self._fault_reporters.get(key, ())) or "a kernel"
+            raise KernelFaultError(f"{reporters} reported a fault in {key} (a persistent kernel's wait gave up: "
+                                   "are other processes using this GPU?); the step's results were discarded")
         return jax.device_get(outputs)
 
     def recover_caches(self) -> bool:

@@ -11,8 +11,11 @@ data (two bf16 values, or one float32) and a 32-bit flag, written with one 64-bi
 single-copy atomic: a reader that sees the flag sees the data. Readers poll exactly the words they
 need; there is no counter and no fence. The flag must differ from whatever the buffer last held:
 it is an input of the call (``flag_with_high_bit``), unique to each call whose buffers may be reused.
-A poll gives up after ``SPIN_LIMIT`` rounds, so that a missing writer (a CTA not resident) returns
-wrong values instead of hanging the GPU; the callers size their grids to be resident.
+A wait gives up after ``SPIN_LIMIT`` rounds rather than hang the GPU when a writer is missing (a
+CTA not resident), and sets the CTA's status word (an int32 in shared memory) to 1. Each CTA
+publishes its status as a flagged word at its end (``publish_status``); the op checks every CTA's
+word after the call, so a wait that gave up (or a CTA that never ran) is reported, never returned
+as a result. The callers size their grids to be resident.
 
 **Cluster sums.** A CTA sends float32 sums into the same offset of another CTA of its cluster by
 ``st.async``, completing that CTA's ``mbarrier`` (``send_words``, ``wait_mbarrier``).
@@ -105,14 +108,15 @@ def b_tile_offset(w: str, a: str) -> str:
             f" add.u32 {a}, {a}, o; and.b32 o, {w}, 31; shl.b32 o, o, 2; add.u32 {a}, {a}, o;")
 
 
-def ll_poll(src, dst, flag, words: int, dst_type, addr_of_word=plain_offset):
+def ll_poll(src, dst, flag, status, words: int, dst_type, addr_of_word=plain_offset):
     """Poll ``words`` flagged words at ``src`` ((words, 2) int32, GMEM) until each carries the flag
     in ``flag`` (an int32 in shared memory), then store each word's 32-bit value into shared memory
     at ``dst`` + ``addr_of_word(w, a)`` (PTX computing the byte offset into register ``a`` from the
-    word index in ``w``; registers ``o``, ``n``, ``e`` are free for it)."""
+    word index in ``w``; registers ``o``, ``n``, ``e`` are free for it). At the spin limit it sets
+    ``status`` (an int32 in shared memory) to 1 and stores what it read."""
     per = -(-words // 128)
 
-    def body(s, d, f):
+    def body(s, d, f, st):
         regs = [f"v{j}, g{j}, w{j}, a{j}" for j in range(per)]
         lines = [f"add.u32 w{j}, t, {128 * j}; setp.lt.u32 in{j}, w{j}, {words};"
                  f" mul.wide.u32 p{j}, w{j}, 8; add.u64 p{j}, p{j}, $0;" for j in range(per)]
@@ -137,14 +141,18 @@ def ll_poll(src, dst, flag, words: int, dst_type, addr_of_word=plain_offset):
             @ok bra DONE${{:uid}};
             add.u32 n, n, 1;
             setp.lt.u32 ok, n, {SPIN_LIMIT};
-            @!ok bra DONE${{:uid}};
+            @ok bra SLEEP${{:uid}};
+            mov.u32 o, 1;
+            st.shared.u32 [$3], o;
+            bra DONE${{:uid}};
+        SLEEP${{:uid}}:
             nanosleep.u32 {SLEEP_NS};
             bra POLL${{:uid}};
         DONE${{:uid}}:
             {nl.join(stores)}
-        }}""", [addr64(s), addr32(d), addr32(f)], "l,r,r")
+        }}""", [addr64(s), addr32(d), addr32(f), addr32(st)], "l,r,r,r")
         wg_barrier()
-    inline((PLAIN, dst_type, PLAIN), body)(src, dst, flag)
+    inline((PLAIN, dst_type, PLAIN, PLAIN), body)(src, dst, flag, status)
 
 
 def sum_publish(kind: str, own, recv, dst, flag, nrecv: int):
@@ -236,9 +244,10 @@ def init_mbarriers(words, counts):
     inline((PLAIN,), body)(words)
 
 
-def wait_mbarrier(words, parity: int):
-    """Wait for the phase of parity ``parity`` of the mbarrier at ``words`` (acquire, cluster)."""
-    def body(bars):
+def wait_mbarrier(words, parity: int, status):
+    """Wait for the phase of parity ``parity`` of the mbarrier at ``words`` (acquire, cluster); at the
+    spin limit set ``status`` (an int32 in shared memory) to 1 and go on."""
+    def body(bars, st):
         ptx(f"""{{
             .reg .u32 n;
             .reg .pred done;
@@ -249,10 +258,34 @@ def wait_mbarrier(words, parity: int):
             add.u32 n, n, 1;
             setp.lt.u32 done, n, {SPIN_LIMIT >> 8};
             @done bra WAIT${{:uid}};
+            mov.u32 n, 1;
+            st.shared.u32 [$1], n;
         OUT${{:uid}}:
-        }}""", [addr32(bars)], "r")
+        }}""", [addr32(bars), addr32(st)], "r,r")
         wg_barrier()
-    inline((PLAIN,), body)(words)
+    inline((PLAIN, PLAIN), body)(words, status)
+
+
+def publish_status(flag, status, dst):
+    """Thread 0 stores this CTA's status (``status``: 0, or 1 where a wait gave up) as a flagged word
+    with the call's ``flag`` (both int32 in shared memory) at ``dst`` (one (1, 2) int32 GMEM word),
+    after every thread of the warpgroup is done."""
+    def body(f, st, d):
+        wg_barrier()
+        ptx(f"""{{
+            .reg .u32 t, e, v;
+            .reg .u64 m;
+            .reg .pred z;
+            {thread_index()}
+            setp.eq.u32 z, t, 0;
+            @!z bra END${{:uid}};
+            ld.shared.u32 e, [$0];
+            ld.shared.u32 v, [$1];
+            mov.b64 m, {{v, e}};
+            st.relaxed.gpu.global.b64 [$2], m;
+        END${{:uid}}:
+        }}""", [addr32(f), addr32(st), addr64(d)], "r,r,l")
+    inline((PLAIN,) * 3, body)(flag, status, dst)
 
 
 def send_words(src, bars, nbytes: int, target_rank: int):

@@ -8,18 +8,15 @@ or exited. XLA emits that trigger only in its own fusions, so after one of our k
 launched when the last program exits, and the launch latency sits between the two.
 
 ``with_trigger(kernel, family)`` makes a kernel trigger first thing (after XLA's wait). The kernels of
-the decode step do, in every call (at prefill sizes too, where it was not timed): the next kernel's
-programs are placed while this one runs, and wait on the SMs for it. That saves the launch latency,
-not more: the next kernel still waits at its entry before it loads anything. In the Qwen3-30B-A3B
-decode step at one sequence it took 2.8% off at 24 and at 48 layers, and 2.7-4.3% at 16 (against no
-trigger in the same process, ``scripts/decode_ab.py --variant trigger-all=none``,
-``benchmarks/results/2026-11-30-h200-r7/``); Llama-3-8B's 0.6%. Leaving it out of single families
-(the expert kernels, whose stream the next kernel's placed programs might share the SMs with, among
-them) changed the step by less than the runs' noise, so every family triggers at its start.
+the decode step do, in every call (at prefill sizes too): the next kernel's programs are placed while
+this one runs, and wait on the SMs for it. That saves the launch latency, not more: the next kernel
+still waits at its entry before it loads anything. Every family triggers at its start: the trigger
+made the decode step faster, and leaving it out of single families made no measurable difference
+(docs/performance.md, "Launch triggers (PDL)").
 
 The Mosaic GPU MoE block kernel (family ``moe_block``) emits the same instruction itself where
-``triggers_at_start``; there it measured even (0.998 of the step without it, ``2026-11-30-h200-r15/``)
-and is kept so that every kernel of the step behaves alike.
+``triggers_at_start``; there it measured even, and is kept so that every kernel of the step behaves
+alike.
 
 A trigger is not a memory fence and changes no value: the next kernel's wait still orders its reads
 after this kernel's writes. Without PDL (another GPU, XLA's PDL off) the instruction does nothing;

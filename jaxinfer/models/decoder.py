@@ -21,10 +21,8 @@ from jaxinfer.cache.metadata import AttentionMetadata
 from jaxinfer.cache.specs import CacheSpec
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import ConfigError
-from jaxinfer.kernels.moe import flag_words
 from jaxinfer.models.base import CausalLM
 from jaxinfer.models.layers.activations import get_activation
-from jaxinfer.models.layers.attention import GQA
 from jaxinfer.models.layers.linear import Embedding, Linear
 from jaxinfer.models.layers.mlp import GatedMLP
 from jaxinfer.models.layers.moe import MoESpec, SparseMoE
@@ -131,37 +129,32 @@ class DecoderLayer(nn.Module):
         return mlp(x, prenorm)
 
     @nn.compact
-    def __call__(self, x, residual, cache: dict, md, rotary, flag=None):
-        """-> (x, residual, cache, flag). ``flag``: the flag words of a one-token MoE block kernel
-        (``jaxinfer.kernels.moe.flag_words``), handed from layer to layer."""
+    def __call__(self, x, residual, cache: dict, md, rotary):
+        """-> (x, residual, cache)."""
         mixer = self.spec.mixer.module(self.config, self.param_dtype)
         if isinstance(self.spec.residual, SandwichResidual):
-            return self._sandwich(mixer, x, residual, cache, md, rotary, flag)
-        return self._pre_norm_block(mixer, x, residual, cache, md, rotary, flag)
+            return self._sandwich(mixer, x, residual, cache, md, rotary)
+        return self._pre_norm_block(mixer, x, residual, cache, md, rotary)
 
-    def _pre_norm_block(self, mixer, x, residual, cache, md, rotary, flag):
+    def _pre_norm_block(self, mixer, x, residual, cache, md, rotary):
         c, spec = self.config, self.spec
         attn_out, cache, residual = mixer(x, cache, md, rotary, self._pre_norm("input_layernorm", residual,
                                                                                  x.shape[-1]))
         if isinstance(spec.ffn, DenseMLP):
             out, residual = self._dense_mlp(attn_out, self._pre_norm("post_attention_layernorm", residual,
                                                                      x.shape[-1]))
-            return out, residual, cache, flag
+            return out, residual, cache
         moe = SparseMoE(spec.ffn, c.hidden_act, self.param_dtype, name=spec.ffn_name)
-        if SparseMoE.takes_whole_block(spec.ffn, attn_out.shape[0]) and self.norm == NormStyle():
-            # One token: the add, the norm, the block and the residual add after it as one op (one
-            # kernel on the GPU where it fits), its hand-off words flagged per call and layer. Its
-            # output is the whole residual stream: the next layer adds nothing to it.
+        if spec.ffn.is_plain_block and self.norm == NormStyle():
+            # The add, the norm and the block as one op (one kernel on the GPU where it fits); the
+            # kernel context goes with it, unread here.
             weight = NormWeight(x.shape[-1], self.param_dtype, name="post_attention_layernorm")()
-            stream, flag = moe(attn_out, block=(residual, weight, c.rms_norm_eps, flag))
-            return stream, None, cache, flag
-        # Otherwise the router is a single projection, which stays XLA's after the add + norm kernel.
-        # Folding the norm into the routing kernel, the gate + up kernel or the router's projection
-        # kernel measured slower (docs/performance.md).
+            out, residual = moe(attn_out, block=(residual, weight, c.rms_norm_eps, md.kernel_context))
+            return out, residual, cache
         h, residual = self._rms_norm("post_attention_layernorm")(attn_out, residual)
-        return moe(h), residual, cache, flag
+        return moe(h), residual, cache
 
-    def _sandwich(self, mixer, x, residual, cache, md, rotary, flag):
+    def _sandwich(self, mixer, x, residual, cache, md, rotary):
         c, spec = self.config, self.spec
         if residual is not None:  # the previous layer handed its stream over unsummed
             x = x + residual
@@ -172,7 +165,7 @@ class DecoderLayer(nn.Module):
             ffn_out, _ = self._dense_mlp(ffn_in)
         else:
             ffn_out = SparseMoE(spec.ffn, c.hidden_act, self.param_dtype, name=spec.ffn_name)(ffn_in)
-        return h + self._rms_norm("post_feedforward_layernorm")(ffn_out), None, cache, flag
+        return h + self._rms_norm("post_feedforward_layernorm")(ffn_out), None, cache
 
 
 class DecoderModel(nn.Module):
@@ -197,13 +190,10 @@ class DecoderModel(nn.Module):
             if rotary is not None and rotary not in tables:
                 tables[rotary] = rotary.cos_sin(md.positions, seq_len_of_token)
         new_caches, residual = [], None
-        # A one-token MoE block kernel's flag: unique to each layer of each call (the step id times
-        # the layer count, plus one per layer that used it).
-        flag = None if md.step_id is None else flag_words(md.step_id * len(self.spec.layers))
         for i, layer in enumerate(self.spec.layers):
             rotary = layer.mixer.rotary(c)
-            x, residual, cache, flag = DecoderLayer(c, layer, self.spec.norm, self.param_dtype, name=f"layers_{i}")(
-                x, residual, caches[i], md, tables.get(rotary), flag)
+            x, residual, cache = DecoderLayer(c, layer, self.spec.norm, self.param_dtype, name=f"layers_{i}")(
+                x, residual, caches[i], md, tables.get(rotary))
             new_caches.append(cache)
         final_norm = RMSNorm(c.rms_norm_eps, unit_offset=self.spec.norm.unit_offset,
                              float32_weight=self.spec.norm.float32_weight, param_dtype=self.param_dtype, name="norm")

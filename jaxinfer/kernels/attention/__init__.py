@@ -1,82 +1,78 @@
 """Attention ops over the paged KV cache.
 
-Models call these functions; each dispatches to an implementation chosen by platform: the plain-jnp
-reference (``reference.py``, the semantic truth) on CPU, the Pallas kernels on GPU. An op without a
-kernel falls back to the reference. ``set_implementation("reference")`` forces the reference
-everywhere (for debugging and for measuring what the kernels buy).
+Implementations (chosen by ``jaxinfer.kernels.registry``): the plain-jnp reference
+(``reference.py``, the semantic truth); the Pallas Triton-lowered kernels (``rotary_pallas.py``: the
+q/k norm, RoPE and cache write in one launch; ``decode_pallas.py``: split-KV decode attention, also
+fused with that step; ``prefill_pallas.py``: ragged prefill); and, on Hopper, the warp-specialised
+Mosaic GPU prefill (``prefill_mgpu.py``) where its ``supports`` takes the call. A bare cache write
+stays an XLA scatter (with the caches donated it updates in place).
+
+The ragged op takes the step's named arrays: token ``t`` of sequence ``token_seq_ids[t]`` (-1:
+padding, which gets zeros) at ``positions[t]``; sequence ``s`` holds ``seq_lens[s]`` tokens in the
+pages ``block_tables[s]``.
 """
 
 from __future__ import annotations
 
-import functools
-
-import jax
-
 from jaxinfer.kernels.attention import decode_pallas, prefill_mgpu, prefill_pallas, reference, rotary_pallas
-from jaxinfer.kernels.dispatch import OpDispatcher
+from jaxinfer.kernels.registry import Implementation, Op, Target, where_pallas_runs
 
 
-@functools.cache
-def _on_hopper() -> bool:
-    """Whether the default device is a Hopper GPU (compute capability 9.x), which the wgmma/TMA kernel needs."""
-    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
+def _mgpu_prefill_supports(target: Target, q, k_cache, v_cache, positions, token_seq_ids, block_tables, seq_lens, *,
+                           scale, **options) -> bool:
+    return (target.hopper and set(options) <= {"sliding_window", "logit_softcap", "sinks"}
+            and prefill_mgpu.supports(q, k_cache, **options))
 
 
-def _gpu_ragged_paged_attention(q, k_cache, v_cache, md, *, scale, interpret=False, **options):
-    """The warp-specialised Mosaic GPU kernel where it takes the call on a Hopper GPU, else the
-    Triton kernel (sliding window, soft-cap, sinks, float32, other GPUs, tuning options, interpret mode)."""
-    if not interpret and _on_hopper() and set(options) <= {"sliding_window", "logit_softcap", "sinks"} \
-            and prefill_mgpu.supports(q, k_cache, **options):
-        return prefill_mgpu.ragged_paged_attention(q, k_cache, v_cache, md, scale=scale)
-    return prefill_pallas.ragged_paged_attention(q, k_cache, v_cache, md, scale=scale, interpret=interpret, **options)
+def _mgpu_prefill(q, k_cache, v_cache, positions, token_seq_ids, block_tables, seq_lens, *, scale, **options):
+    return prefill_mgpu.ragged_paged_attention(q, k_cache, v_cache, positions, token_seq_ids, block_tables, seq_lens,
+                                               scale=scale)
 
 
-_dispatch = OpDispatcher(
-    "attention",
-    {
-        "reference": {
-            "write_kv_cache": reference.write_kv_cache,
-            "rotary_cache_write": reference.rotary_cache_write,
-            "ragged_paged_attention": reference.ragged_paged_attention,
-            "paged_decode_attention": reference.paged_decode_attention,
-            "rotary_paged_decode_attention": reference.rotary_paged_decode_attention,
-        },
-        "pallas": {
-            # A bare cache write stays an XLA scatter (with the caches donated it updates in place);
-            # fused with the q/k norm and RoPE before it, it is one kernel instead of about seven.
-            "rotary_cache_write": rotary_pallas.rotary_cache_write,
-            "paged_decode_attention": decode_pallas.paged_decode_attention,
-            # At a decode step the attention programs do the q/k norm, RoPE and cache write
-            # themselves: one kernel fewer per layer.
-            "rotary_paged_decode_attention": decode_pallas.rotary_paged_decode_attention,
-            "ragged_paged_attention": _gpu_ragged_paged_attention,
-        },
-    },
-    {"gpu": "pallas", "cuda": "pallas"},
-)
-set_implementation = _dispatch.set_implementation
-implementation_name = _dispatch.implementation_name
+write_kv_cache_op = Op("attention.write_kv_cache", reference.write_kv_cache)
+rotary_cache_write_op = Op("attention.rotary_cache_write", reference.rotary_cache_write, (
+    Implementation("rotary", rotary_pallas.rotary_cache_write),
+))
+ragged_paged_attention_op = Op("attention.ragged_paged_attention", reference.ragged_paged_attention, (
+    Implementation("mgpu", _mgpu_prefill, _mgpu_prefill_supports, pallas=False),
+    Implementation("triton", prefill_pallas.ragged_paged_attention, where_pallas_runs(prefill_pallas.supports)),
+))
+paged_decode_attention_op = Op("attention.paged_decode_attention", reference.paged_decode_attention, (
+    Implementation("triton", decode_pallas.paged_decode_attention),
+))
+rotary_paged_decode_attention_op = Op("attention.rotary_paged_decode_attention",
+                                      reference.rotary_paged_decode_attention, (
+    Implementation("triton", decode_pallas.rotary_paged_decode_attention),
+))
 
 
 def write_kv_cache(k_cache, v_cache, k, v, slot_mapping):
-    return _dispatch("write_kv_cache")(k_cache, v_cache, k, v, slot_mapping)
+    """New K/V rows [T, kv_heads, d] into their slots (negative: dropped) -> (k_cache, v_cache)."""
+    return write_kv_cache_op(k_cache, v_cache, k, v, slot_mapping)
 
 
 def rotary_cache_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, **options):
-    return _dispatch("rotary_cache_write")(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, **options)
+    """The optional q/k norm, RoPE, then k/v into the cache -> (q, k_cache, v_cache); see the reference."""
+    return rotary_cache_write_op(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, **options)
 
 
-def ragged_paged_attention(q, k_cache, v_cache, md, **options):
-    return _dispatch("ragged_paged_attention")(q, k_cache, v_cache, md, **options)
+def ragged_paged_attention(q, k_cache, v_cache, positions, token_seq_ids, block_tables, seq_lens, **options):
+    """Queries [T, heads, d] of several sequences (any number of new tokens each) over the cache."""
+    return ragged_paged_attention_op(q, k_cache, v_cache, positions, token_seq_ids, block_tables, seq_lens, **options)
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, **options):
-    return _dispatch("paged_decode_attention")(q, k_cache, v_cache, block_tables, seq_lens, **options)
+    """One query per sequence [S, heads, d], at position ``seq_lens[s] - 1``."""
+    return paged_decode_attention_op(q, k_cache, v_cache, block_tables, seq_lens, **options)
 
 
 def rotary_paged_decode_attention(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
                                   **options):
     """A decode step from the projections on: ``rotary_cache_write`` then ``paged_decode_attention``
     -> (out, k_cache, v_cache)."""
-    return _dispatch("rotary_paged_decode_attention")(q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
-                                                     block_tables, seq_lens, **options)
+    return rotary_paged_decode_attention_op(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_tables,
+                                            seq_lens, **options)
+
+
+__all__ = ["paged_decode_attention", "ragged_paged_attention", "rotary_cache_write", "rotary_paged_decode_attention",
+           "write_kv_cache"]

@@ -8,11 +8,9 @@ there are few sequences. Pages a sliding window has left behind are skipped, not
 
 **Gathering a block.** The caches are viewed as ``[pages * page_size, d]`` rows per KV head (a free
 reshape), and a block is one gather of ``block_tokens`` rows, ``page_id * page_size + offset``, from
-the block table: any page size, and a ``[block_tokens, d]`` tile with no reshape after the load.
-With the earlier ``[pages, page_size, d]`` gather and a reshape, Triton's pipeliner streamed only K
-through ``cp.async`` and V through registers (read in the compiled PTX); the flat gather streams
-both and took batch 32 / 128 from 63-67% of the measured copy bandwidth to 102-111% (reads alone
-can exceed the copy rate, which counts a write per read) on the H200.
+the block table: any page size, and a ``[block_tokens, d]`` tile with no reshape after the load, so
+Triton's pipeliner streams both K and V through ``cp.async`` (a ``[pages, page_size, d]`` gather and
+a reshape sent V through registers; docs/performance.md, "Paged decode attention kernel").
 
 **One block per program** (short contexts, few sequences: the common batch-1 case) runs without a
 loop: the block's rows and the sequence length are read together, the K/V loads (masked past the
@@ -31,20 +29,8 @@ The kernel takes the step's raw q, k and v: each program normalises and rotates 
 KV head's new k itself (``rotary_pallas``'s functions) and reads only the cached positions before the
 new token; the split holding the new token's position adds it to its online softmax from registers
 and writes k and v into the cache slot (no program reads that row, so the write races with nothing).
-One launch of ``rotary_pallas`` per layer goes. On the H200 (``gpu_check.py --only-rotary-decode``,
-kernel times, ``benchmarks/results/2026-11-29-h200-r9/``) the fused kernel took 4.2 us where the
-rotary and attention kernels took 2.1 + 2.4 (Qwen3-30B-A3B heads, one sequence of 512). At 4096
-tokens the rotation in front of each program's first matmul makes it slower than the two kernels
-together: 7.3 against 1.7 + 5.3 (Llama-3-8B heads, one sequence), 53.5 against 3.4 + 49.0 (32
-sequences), by about what one launch costs in XLA's chain. The loop timing, launches included, put
-the fused op ahead there (18.0 against 23.7 us, 77.4 against 79.2) and behind at 512 tokens (17.5
-against 16.2; such loop figures moved by 2-3 us between runs of this size). Inside the 48-layer
-Qwen3-30B-A3B step at B=1 it was faster in 6 of 7 alternating rounds, 3.16 against 3.20 ms per
-step (``scripts/decode_ab.py``); the Llama-3-8B step at one sequence of 4096 was even (4.80 against
-4.79 ms). Issuing the K/V reads before the rotation made the kernel slower
-(4.9 us) and the step no faster. Extra programs that start an L2 prefetch of the o projection's
-weight while the attention runs (bulk prefetches, branch ``tried/l2-bulk-prefetch``) made that step
-2.3% slower (``benchmarks/results/2026-11-30-h200-r3/``).
+One launch of ``rotary_pallas`` per layer goes. Its timings against the two kernels, and the variants
+not kept, are in docs/performance.md, "Paged decode attention kernel".
 """
 
 from __future__ import annotations
@@ -195,7 +181,9 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, *rest, rows, scale, page_size,
 
     q = _load_query(q_ref, rows)
     reads = one_block_reads() if blocks_per_split == 1 and fresh is not None and fresh.reads_first else None
-    if fresh is not None:  # before the K/V reads: 0.7 us faster than after them (H200, one sequence)
+    # The rotation before the K/V reads (unless reads_first): measured faster, docs/performance.md,
+    # "Paged decode attention kernel".
+    if fresh is not None:
         tables = _rotary_tables(cos_ref, sin_ref, head_dim, fresh)
         q = _fresh_query(q, q_ref, tables, q_norm_ref, fresh)
         k_new, v_new = _fresh_kv(k_new_ref, v_new_ref, tables, k_norm_ref, k_ref.dtype, fresh)
@@ -310,17 +298,8 @@ def default_blocking(num_seqs: int, num_kv_heads: int, pages_per_seq: int, page_
                      itemsize: int):
     """(block_tokens, num_splits): K blocks of ~32 KiB for few sequences, ~16 KiB for many
     (16..128 tokens), halved (down to 64 tokens) while there are fewer blocks than SMs; enough splits
-    to fill the GPU.
-
-    On the H200 (``scripts/gpu_check.py --sweep``, with the earlier page gather), 64-token blocks
-    were fastest at 32 and 128 sequences and 128-token blocks at one sequence of 4096 tokens (d 128,
-    bf16). With the flat row gather (``scripts/compare_decode.py``), 64 and 128 were within 4% of
-    each other at 32 and 128 sequences, 128 stayed ahead at one sequence of 4096 tokens, and at one
-    sequence of 512 tokens over 4 KV heads 64-token blocks (32 programs) beat 128 (16 programs).
-    32-token blocks there (72 programs) made the 24-layer Qwen3-30B-A3B step no faster
-    (``scripts/decode_ab.py --variant decode-blocks-32``, ``benchmarks/results/2026-11-30-h200-r5/``).
-    In the 16-layer step at that shape fewer programs were slower: one split (4 programs, no merge
-    kernel) by 13%, 2 splits by 6%, 128-token blocks by 1.6% (``benchmarks/results/2026-11-30-h200-r7/``).
+    to fill the GPU. Chosen by sweeps and A/Bs on the H200: docs/performance.md, "Paged decode
+    attention kernel".
     """
     pairs = num_seqs * num_kv_heads
     block_bytes = 32768 if pairs < _SMS else 16384  # fewer (sequence, head) pairs than SMs
@@ -335,12 +314,8 @@ def default_blocking(num_seqs: int, num_kv_heads: int, pages_per_seq: int, page_
 
 def fused_decode_warps(blocks_per_split: int) -> int:
     """Warps of a fused decode program: 8 where it holds one block (its K/V gather and the q/k
-    rotation spread over twice the threads), else 4. In the 24-layer Qwen3-30B-A3B step at one
-    sequence of 512 tokens (36 programs of one 64-token block), 8 warps took it 5.0% and 5.6% faster
-    than 4 in two runs, 16 warps 6.0%, 2 warps 3.8% slower (``scripts/decode_ab.py --variant
-    decode-warps-8``, ``benchmarks/results/2026-11-30-h200-r15/``). Alone (``gpu_check.py
-    --only-rotary-decode``, same folder) the kernel then took 3.76 us there, where 4 warps had taken
-    4.2 (``-r9/``)."""
+    rotation spread over twice the threads), else 4. 8 warps measured faster in the one-sequence
+    Qwen3-30B-A3B decode step: docs/performance.md, "Paged decode attention kernel"."""
     return 8 if blocks_per_split == 1 else 4
 
 
@@ -377,8 +352,8 @@ def rotary_paged_decode_attention(q, k, v, cos, sin, k_cache, v_cache, slot_mapp
     from registers, not from the cache.
 
     Tuning as ``paged_decode_attention``'s, except ``num_warps=None``: ``fused_decode_warps``.
-    ``kv_reads_first``: with one block per program, issue the K/V reads before the rotation (the
-    24-layer Qwen3-30B-A3B step at one sequence was even with the default, 0.9995)."""
+    ``kv_reads_first``: with one block per program, issue the K/V reads before the rotation (off:
+    measured no faster, docs/performance.md, "Paged decode attention kernel")."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_cache.shape
     rotary_dim = cos.shape[-1]

@@ -29,7 +29,8 @@ What differs from ``attention_mgpu``:
   issues the PV matmul of block ``j`` and the QK matmul of block ``j + 1`` back to back and waits for
   both at once (``attention_mgpu`` waits for PV before it issues the next QK, and the tensor cores
   idle in between). The softmax still never runs while this warpgroup's own matmuls are in flight
-  (see FlashAttention-3's overlap below).
+  (FlashAttention-3's intra-warpgroup overlap, which runs it there, measured slower:
+  docs/performance.md, "Prefill attention, Mosaic GPU kernel").
 - **Two heads per program where there are programs enough.** A program may take
   ``heads_per_program`` query heads of its block one after the other. The memory warp streams the
   second head's key blocks through the same ring while the compute warpgroups finish the first, and
@@ -40,42 +41,9 @@ What differs from ``attention_mgpu``:
 - Logits are scaled by ``scale * log2(e)`` inside the softmax (``exp2``), the queries are not.
 
 The attention dispatcher takes this kernel on Hopper GPUs for the calls ``supports`` accepts, the
-Triton kernel (``prefill_pallas``) for the rest. Measured on the H200 (``scripts/gpu_check.py``),
-its kernel runs causal prefill at 1.01x of cuDNN's kernel at 1 x 8192 and 1.05x at 2 x 2048 over
-pages of 16 (1.03-1.04x over pages of 64), and its whole op at 1.5-2.1x the Triton kernel's. Timed
-against the kernel before these two changes in one run, pages of 16: 2.8% faster at 1 x 8192 and
-4.3% at 4 x 4096 (two heads per program), 0.4% slower at 2 x 2048 (one head). One head per program
-forced: -0.9% to +0.3%; two heads forced at 2 x 2048: -5 to -6%; four heads (another run): -3 to -4% at
-1 x 8192, -37% at 2 x 2048. (The matmuls issued together gained about 1% in a first form, whose
-warpgroups without keys took a branch of their own instead of the ``lax.cond`` around the first
-and last key block.) Merging the K and V barriers gained about 1%, issuing the copies from one warp
-(they were issued by all four) 1-2% more. Tried and not kept, each timed against the kernel of its
-time in one run:
-
-- persistent programs (one per SM looping over blocks in round-robin or snake order): slower, as a
-  static order balances the causal blocks' unequal costs worse than the hardware's block scheduler;
-- a tiled shared-memory copy of the queries: no faster;
-- FlashAttention-3's intra-warpgroup overlap (the QK matmul of key block j issued with the PV
-  matmul of block j - 1, the softmax run while PV is in flight): 0.88-0.93x. The probabilities must
-  stay in float32 until PV is done: converting them while it runs makes ptxas serialise every wgmma;
-- programs ordered KV head by KV head (so that the programs running at a time share one head's keys
-  in L2): 0.84x at 2 x 2048, unchanged at 1 x 8192;
-- the copies spread over the memory warpgroup's four warps: 0.99x of one warp;
-- key blocks of 192 in 2 stages (the most that fits in shared memory): ptxas spills registers
-  (576 bytes), 0.71-0.82x at 1 x 8192;
-- the compute warpgroups meeting on a hardware named barrier (``bar.sync``) instead of the
-  ``schedule`` mbarrier (every use of which is an arrival followed at once by a wait): 0.85x;
-- the softmax row sums on the tensor cores (``p @ ones`` beside ``p @ V``, in place of 64 adds per
-  thread per key block): 1.00x at 1 x 8192, 0.98x at 2 x 2048. Per key block a compute thread runs
-  about 64 each of ``ex2``, ``fma``, ``max``, ``mul`` (the rescale) and ``add`` (the row sums), 32 ``cvt``
-  and 8 shuffles (from the PTX): FlashAttention's minimum, so fewer softmax instructions alone do
-  not close the gap to cuDNN.
-
-Nsight Compute at 1 x 8192 against cuDNN's kernel, before the merged barriers and the one-warp
-copies: 2.4% more cycles (and a 2% lower SM clock). cuDNN's persistent grid leaves SMs idle 8% of its
-cycles where ours leaves 1.5%, but in busy cycles we needed 10% more and issued 25% more
-instructions. Pages of 128 still run about 1% faster than pages of 16 (two page copies per key block
-instead of sixteen).
+Triton kernel (``prefill_pallas``) for the rest. Its timings against cuDNN and the Triton kernel,
+what each change above gained, and the variants tried and not kept are in docs/performance.md,
+"Prefill attention" and "Prefill attention, Mosaic GPU kernel".
 """
 
 from __future__ import annotations
@@ -90,7 +58,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from jaxinfer.cache.metadata import AttentionMetadata
 from jaxinfer.kernels.attention.prefill_pallas import query_blocks
 
 BLOCK_Q = 64  # query rows per compute warpgroup (one wgmma M tile)
@@ -98,7 +65,7 @@ BLOCK_KV = 128  # keys per key block
 COMPUTE_WGS = 2
 STAGES = 3  # key/value blocks in flight: 3 x 64 KiB with the 32 KiB query/output buffer fills shared memory
 COMPUTE_REGISTERS, MEMORY_REGISTERS = 240, 24  # per thread: 2 x 128 x 240 + 128 x 24 <= 64K
-MIN_WAVES_FOR_HEAD_PAIRS = 6
+MIN_WAVES_FOR_HEAD_PAIRS = 6  # measured on the H200: docs/performance.md, "Prefill attention, Mosaic GPU kernel"
 _DEFAULT_SMS = 132  # an H100/H200's SMs, where the device does not say (lowering on a CPU-only machine)
 _LOG2E = math.log2(math.e)
 
@@ -277,7 +244,8 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale: fl
 
         # A block starts at any token, so its query rows cannot be TMA-loaded into a tiled buffer
         # (tiles of 8 rows need an aligned start): they land untiled, and the QK matmul reads them
-        # from registers, loaded once per head. (A tiled copy in shared memory measured no faster.)
+        # from registers, loaded once per head. (A tiled copy in shared memory measured no faster:
+        # docs/performance.md, "Prefill attention, Mosaic GPU kernel".)
         plgpu.copy_gmem_to_smem(q_ref.at[q_rows, first_head], qo_smem, q_ready.at[wg])
         plgpu.barrier_wait(q_ready.at[wg])
         q_regs = _load(qo_smem, plgpu.Layout.WGMMA)
@@ -292,7 +260,8 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale: fl
 
         # One warp issues the copies: in warpgroup form each copy costs a warpgroup barrier and an
         # arrival from each of the 128 threads, and the memory warpgroup's four warps then take issue
-        # slots from the compute warpgroups (1-2% of the kernel's speed with pages of 16 or 64).
+        # slots from the compute warpgroups (measured: docs/performance.md, "Prefill attention, Mosaic
+        # GPU kernel").
         @plgpu.warp_map
         def _per_warp(warp):
             @pl.when(warp == 0)
@@ -323,30 +292,27 @@ def default_heads_per_program(num_items: int, num_heads: int, num_sms: int) -> i
     """Query heads a program takes in turn: 2 where the programs still fill the GPU
     ``MIN_WAVES_FOR_HEAD_PAIRS`` times over (each program then starts once for two heads, and its next
     head's key blocks stream in while the last one's finish), else 1 (few programs balance the causal
-    blocks' unequal costs worse: at 2 x 2048 with 16 heads, pairs ran 5-6% slower)."""
+    blocks' unequal costs worse: docs/performance.md, "Prefill attention, Mosaic GPU kernel")."""
     pairs_fill = num_items // 2 >= MIN_WAVES_FOR_HEAD_PAIRS * num_sms
     return 2 if num_heads % 2 == 0 and pairs_fill else 1
 
 
-def block_schedule(md: AttentionMetadata, *, page_size: int, pages_per_seq: int) -> jax.Array:
+def block_schedule(positions, token_seq_ids, seq_lens, *, page_size: int, pages_per_seq: int) -> jax.Array:
     """The query blocks of a step, [num_blocks, 8] int32, one row per block: (sequence, key blocks,
     end of the key range, first token, first position, tokens, 0, 0). Blocks run in reverse token
     order (the last blocks of a sequence, the longest key ranges, first); unused rows, without
     tokens, come before them.
 
-    Padding tokens (slot < 0) become blocks of their own without keys, so that the kernel writes
+    Padding tokens (sequence -1) become blocks of their own without keys, so that the kernel writes
     their zeros too (no pass over the output afterwards). The static block count allows one partial
     block per run of tokens: a run per sequence and up to one padding run beside each, plus one.
     """
-    t = md.positions.shape[0]
+    t = positions.shape[0]
     rows_per_block = COMPUTE_WGS * BLOCK_Q
-    padding = md.slot_mapping < 0
-    md = md.replace(slot_mapping=jnp.where(padding, 0, md.slot_mapping),
-                    token_seq_ids=jnp.where(padding, -1, md.token_seq_ids),
-                    positions=jnp.where(padding, -1, md.positions))
-    num_blocks = pl.cdiv(t, rows_per_block) + 2 * md.num_seqs + 1
+    positions = jnp.where(token_seq_ids < 0, -1, positions)  # padding: blocks of sequence -1 without keys
+    num_blocks = pl.cdiv(t, rows_per_block) + 2 * seq_lens.shape[0] + 1
     meta8, row_pos, row_tok, row_valid = query_blocks(
-        md, block_q=rows_per_block, num_blocks=num_blocks, page_size=page_size, block_k=BLOCK_KV,
+        positions, token_seq_ids, seq_lens, jnp.ones(t, bool), block_q=rows_per_block, num_blocks=num_blocks, page_size=page_size, block_k=BLOCK_KV,
         pages_per_seq=pages_per_seq, sliding_window=None)
     num_rows = row_valid.sum(axis=1).astype(jnp.int32)
     zeros = jnp.zeros_like(num_rows)
@@ -354,8 +320,8 @@ def block_schedule(md: AttentionMetadata, *, page_size: int, pages_per_seq: int)
                      axis=1)
 
 
-def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale: float, stages: int = STAGES,
-                           heads_per_program: int | None = None):
+def ragged_paged_attention(q, k_cache, v_cache, positions, token_seq_ids, block_tables, seq_lens, *, scale: float,
+                           stages: int = STAGES, heads_per_program: int | None = None):
     """``reference.ragged_paged_attention`` for the calls ``supports`` accepts (causal only).
     ``heads_per_program`` (a divisor of the query heads) defaults to ``default_heads_per_program``."""
     _, num_heads, head_dim = q.shape
@@ -365,8 +331,8 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale:
                          f"{page_size} (bf16/f16, head_dim 64 or 128, page_size a multiple of 8 dividing 128 "
                          "or a multiple of 128); the attention dispatcher sends other calls to prefill_pallas")
     group = num_heads // num_kv_heads
-    num_seqs, pages_per_seq = md.block_tables.shape
-    block_tables = md.block_tables.astype(jnp.int32)
+    num_seqs, pages_per_seq = block_tables.shape
+    block_tables = block_tables.astype(jnp.int32)
     split = max(1, page_size // BLOCK_KV)
     if split > 1:  # pages of more than one key block: virtual pages of BLOCK_KV rows (a free reshape)
         page_size, num_pages, pages_per_seq = BLOCK_KV, num_pages * split, pages_per_seq * split
@@ -374,7 +340,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale:
         v_cache = v_cache.reshape(num_kv_heads, num_pages, page_size, head_dim)
         block_tables = (block_tables[:, :, None] * split + jnp.arange(split, dtype=jnp.int32)).reshape(
             num_seqs, pages_per_seq)
-    meta = block_schedule(md, page_size=page_size, pages_per_seq=pages_per_seq)
+    meta = block_schedule(positions, token_seq_ids, seq_lens, page_size=page_size, pages_per_seq=pages_per_seq)
     num_blocks = meta.shape[0]
     if heads_per_program is None:
         num_sms = getattr(jax.devices()[0], "core_count", None) or _DEFAULT_SMS

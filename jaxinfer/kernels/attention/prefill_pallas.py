@@ -14,8 +14,9 @@ its last query can see (causal). Key blocks that every row of the query block se
 mask. Pages larger than ``block_k`` are split into virtual pages of ``block_k`` rows (a free
 reshape of the cache, and a block table of virtual pages), so key blocks start on page boundaries.
 Programs are ordered with the last query blocks (the longest key ranges) first. Each program writes
-its rows straight into the ``[T, heads, head_dim]`` output (gathering queries and scattering outputs
-in jnp around the kernel cost ~12% of a 1 x 8192 prefill on the H200); padding tokens get zeros.
+its rows straight into the ``[T, heads, head_dim]`` output (a gather and scatter in jnp around the
+kernel measured slower: docs/performance.md, "Prefill attention, Triton kernel"); padding tokens
+get zeros.
 
 Softmax runs in base 2 (``exp2``, logits pre-multiplied by ``log2(e)``). Sinks start the online
 softmax (``m = sink``, ``l = 1``), which is the same as one extra column that is dropped. Masked
@@ -34,7 +35,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-from jaxinfer.cache.metadata import AttentionMetadata
 
 _LOG2E = math.log2(math.e)
 _M_INIT = -1e30  # finite start of the running max: masked (-inf) logits then give exp2(-inf) = 0
@@ -55,8 +55,8 @@ def default_block_sizes(num_tokens: int, group: int, head_dim: int, dtype) -> di
     ``block_q * next_pow2(group)`` query rows per program (128; 64 at head_dim 256; never more query
     tokens than the step has, but >= 16 rows for the MMA), ``block_k`` keys per key block (256-byte
     rows: 128, i.e. bf16 at head_dim <= 128; 64 up to 512-byte rows; else 32), as many pipeline stages
-    (at most 3) as 224 KiB of shared memory holds. On the H200 (``scripts/gpu_check.py
-    --sweep-prefill``), 128 x 128 blocks with 3 stages were fastest at bf16, head_dim 128.
+    (at most 3) as 224 KiB of shared memory holds. 128 x 128 blocks in 3 stages measured fastest at
+    bf16, head_dim 128 (docs/performance.md, "Prefill attention, Triton kernel").
     """
     group_pad = _next_pow2(group)
     itemsize = jnp.dtype(dtype).itemsize
@@ -73,8 +73,8 @@ def default_block_sizes(num_tokens: int, group: int, head_dim: int, dtype) -> di
     return dict(block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
 
 
-def query_blocks(md: AttentionMetadata, *, block_q: int, num_blocks: int, page_size: int, block_k: int,
-                  pages_per_seq: int, sliding_window):
+def query_blocks(positions, token_seq_ids, seq_lens, valid, *, block_q: int, num_blocks: int, page_size: int, block_k: int,
+                 pages_per_seq: int, sliding_window):
     """Per-block metadata, with plain jnp.
 
     Returns ``meta`` [NB, 8] int32 (seq, first page, end of the leading masked key blocks, end of the
@@ -83,10 +83,9 @@ def query_blocks(md: AttentionMetadata, *, block_q: int, num_blocks: int, page_s
     (its token index, clipped) and ``row_valid`` [NB, block_q]. Block ``b`` of the token order is stored at ``NB - 1 - b`` so the grid starts with the last (the
     longest) blocks.
     """
-    t = md.positions.shape[0]
+    t = positions.shape[0]
     tok = jnp.arange(t, dtype=jnp.int32)
-    seq = md.token_seq_ids.astype(jnp.int32)
-    valid = md.slot_mapping >= 0
+    seq = token_seq_ids.astype(jnp.int32)
     prev_seq = jnp.concatenate([jnp.full((1,), -1, jnp.int32), seq[:-1]])
     prev_valid = jnp.concatenate([jnp.zeros((1,), bool), valid[:-1]])
     run_start = valid & ((seq != prev_seq) | ~prev_valid)
@@ -105,12 +104,12 @@ def query_blocks(md: AttentionMetadata, *, block_q: int, num_blocks: int, page_s
     i = jnp.arange(block_q, dtype=jnp.int32)
     row_valid = i[None, :] < num_rows[:, None]
     row_tok = jnp.clip(first_tok[:, None] + i[None, :], 0, t - 1)
-    row_pos = jnp.where(row_valid, md.positions.astype(jnp.int32)[row_tok], -1)
+    row_pos = jnp.where(row_valid, positions.astype(jnp.int32)[row_tok], -1)
 
     block_seq = seq[first_tok]
     max_pos = row_pos.max(axis=1)
     min_pos = jnp.where(row_valid, row_pos, 1 << 30).min(axis=1)  # no overflow in min_pos + 1
-    kv_end = jnp.minimum(jnp.minimum(max_pos + 1, md.seq_lens.astype(jnp.int32)[block_seq]),
+    kv_end = jnp.minimum(jnp.minimum(max_pos + 1, seq_lens.astype(jnp.int32)[jnp.maximum(block_seq, 0)]),
                          pages_per_seq * page_size)
     kv_end = jnp.maximum(kv_end, 0)  # 0 for unused blocks: no key block at all
     if sliding_window:
@@ -208,11 +207,19 @@ def _prefill_kernel(meta_ref, bt_ref, pos_ref, qidx_ref, q_ref, k_ref, v_ref, *r
     plgpu.store(o_ref.at[q_rows, q_cols], o.astype(o_ref.dtype), mask=has_query)
 
 
+def supports(q, k_cache, v_cache, *args, **options) -> bool:
+    """Whether the kernel takes these operands: K and V caches alike, q's head dim theirs, query heads
+    a multiple of the KV heads, head dim and page size powers of two."""
+    num_kv_heads, _, page_size, head_dim = k_cache.shape
+    return (k_cache.shape == v_cache.shape and q.shape[-1] == head_dim and q.shape[1] % num_kv_heads == 0
+            and _is_pow2(head_dim) and _is_pow2(page_size))
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "logit_softcap", "interpret", "block_q",
                                              "block_k", "pages_per_block", "num_warps", "num_stages"))
-def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale, sliding_window=None,
-                           logit_softcap=None, sinks=None, interpret=False, block_q=None, block_k=None,
-                           pages_per_block=None, num_warps=None, num_stages=None):
+def ragged_paged_attention(q, k_cache, v_cache, positions, token_seq_ids, block_tables, seq_lens, *, scale,
+                           sliding_window=None, logit_softcap=None, sinks=None, interpret=False, block_q=None,
+                           block_k=None, pages_per_block=None, num_warps=None, num_stages=None):
     """Queries [T, heads, d] from several sequences (any number of new tokens each) over the paged cache.
 
     ``k_cache``/``v_cache``: [kv_heads, num_pages, page_size, d], already holding this step's K/V.
@@ -254,8 +261,8 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale,
 
     # Pages larger than a key block are read as `split` virtual pages of `block_k` rows each: the
     # cache reshape is free (contiguous) and the block table lists virtual pages.
-    num_seqs, pages_per_seq = md.block_tables.shape
-    block_tables = md.block_tables.astype(jnp.int32)
+    num_seqs, pages_per_seq = block_tables.shape
+    block_tables = block_tables.astype(jnp.int32)
     split = max(1, page_size // block_k)
     if split > 1:
         page_size //= split
@@ -269,7 +276,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale,
 
     num_blocks = max(1, min(t, pl.cdiv(t, block_q) + num_seqs))
     meta, row_pos, row_tok, row_valid = query_blocks(
-        md, block_q=block_q, num_blocks=num_blocks, page_size=page_size, block_k=block_k,
+        positions, token_seq_ids, seq_lens, token_seq_ids >= 0, block_q=block_q, num_blocks=num_blocks, page_size=page_size, block_k=block_k,
         pages_per_seq=pages_per_seq, sliding_window=sliding_window)
 
     # Row i * G_pad + g of a block is token row_tok[i], head g of the program's KV head.

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxinfer.cache.metadata import AttentionMetadata
 from jaxinfer.kernels.math import apply_rotary, rms_norm
 
 
@@ -87,14 +86,17 @@ def _visible(query_pos, seq_len, num_keys, sliding_window):
     return visible
 
 
-def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, scale, sliding_window=None,
-                           logit_softcap=None, sinks=None):
-    """Queries [T, heads, d] from several sequences (any number of new tokens each) over the cache."""
+def ragged_paged_attention(q, k_cache, v_cache, positions, token_seq_ids, block_tables, seq_lens, *, scale,
+                           sliding_window=None, logit_softcap=None, sinks=None):
+    """Queries [T, heads, d] from several sequences (any number of new tokens each) over the cache:
+    token ``t`` of sequence ``token_seq_ids[t]`` (-1: padding, which gets zeros) at ``positions[t]``;
+    sequence ``s`` holds ``seq_lens[s]`` tokens in the pages ``block_tables[s]``."""
     t, heads, d = q.shape
     kv_heads = k_cache.shape[0]
-    k = _gather_sequences(k_cache, md.block_tables)[md.token_seq_ids]
-    v = _gather_sequences(v_cache, md.block_tables)[md.token_seq_ids]
-    visible = _visible(md.positions, md.seq_lens[md.token_seq_ids], k.shape[1], sliding_window)
+    seq = jnp.maximum(token_seq_ids, 0)
+    k = _gather_sequences(k_cache, block_tables)[seq]
+    v = _gather_sequences(v_cache, block_tables)[seq]
+    visible = _visible(positions, jnp.where(token_seq_ids >= 0, seq_lens[seq], 0), k.shape[1], sliding_window)
     out = _attend(q.reshape(t, kv_heads, heads // kv_heads, d), k, v, visible,
                   scale=scale, logit_softcap=logit_softcap, sinks=sinks)
     return out.reshape(t, heads, d)

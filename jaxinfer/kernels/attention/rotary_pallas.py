@@ -2,7 +2,7 @@
 
 Same semantics as ``reference.rotary_cache_write``. Between the projections and attention, XLA makes
 this step about seven small kernels per layer (q norm, k norm, two RoPE concatenations, the v
-select, two cache updates), each a microsecond or more: a large share of a one-token decode step.
+select, two cache updates), each a launch of its own: a large share of a one-token decode step.
 Here one program per token loads its q/k/v heads, normalises them per head in float32, rotates the
 first ``rotary_dim`` dims (the ``rotate_half`` partner of each column is a second, gathered load of
 the same row, which hits L1), writes the rotated q and stores k and v straight into their cache slot
@@ -10,9 +10,8 @@ the same row, which hits L1), writes the rotated q and stores k and v straight i
 
 Below ``SPLIT_HEADS_BELOW`` tokens a program takes one (token, KV head) pair instead: its k/v head
 and the q heads that share it. At a decode step's few tokens the programs then fill more of the GPU
-and each one's chain of loads and reductions is shorter. On the H200 that measured 3.3 against
-3.6 us (one token, 32/8 heads), 3.7 against 4.1 (one token, 32/4 heads, q/k norms) and 4.1 against
-4.4 (32 tokens); at 8192 tokens it was slower, 114 against 90 us.
+and each one's chain of loads and reductions is shorter; at 8192 tokens one program per token was
+the faster (both measured: docs/performance.md, "q/k norm, RoPE and cache write kernel").
 
 Power-of-two head counts and head dims only (Triton blocks); any other shape runs the reference.
 At a decode step the decode attention kernel does this work itself (``decode_pallas``'s fused form,

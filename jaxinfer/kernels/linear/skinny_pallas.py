@@ -53,12 +53,8 @@ class Blocking(NamedTuple):
 
 def default_blocking(rows: int, in_features: int) -> Blocking:
     """One row: 4 weight rows by 1024 columns per step (thousands of programs, each a few long
-    contiguous reads); more rows: 16 by 256, the tensor-core tile. 4 warps, 3 stages.
-
-    Measured by ``scripts/linear_check.py --sweep`` on the H200 with the weights read from HBM: at
-    one row, 4 x 1024 was within 4% of the best of 2-16 rows by 512-2048 columns at each of the
-    Qwen3-30B-A3B q/k/v, Llama-3-8B gate/up and GPT-OSS-20B q/k/v shapes, while 16-row blocks were
-    up to 25% slower.
+    contiguous reads); more rows: 16 by 256, the tensor-core tile. 4 warps, 3 stages. The one-row
+    blocking was chosen by a sweep on the H200: docs/performance.md, "Few-row projection kernel".
     """
     if rows == 1:
         return Blocking(4, min(1024, max(16, _next_pow2(in_features))), num_warps=4, num_stages=3)
@@ -67,12 +63,9 @@ def default_blocking(rows: int, in_features: int) -> Blocking:
 
 def default_norm_blocking(in_features: int) -> Blocking:
     """``norm_project``'s blocking: a row of up to 2048 columns in one step of 8 weight rows (no
-    reduction loop, so nothing to pipeline); wider rows as ``default_blocking(1, ...)``.
-
-    Measured in the model on the H200 (``scripts/decode_ab.py --variant norm-project-8x2048``): the
-    24-layer Qwen3-30B-A3B step at B=1 took 1.693 against 1.718 ms with 4 x 1024 in 3 stages. The
-    same 8-row blocks over a 4096-wide row in two 3-stage steps made the 16-layer Llama-3-8B step
-    slower (2.691 against 2.544 ms), so wider rows keep the default.
+    reduction loop, so nothing to pipeline); wider rows as ``default_blocking(1, ...)``, since the
+    same blocks over a 4096-wide row measured slower (docs/performance.md, "Few-row projection
+    kernel").
     """
     width = _next_pow2(in_features)
     if width <= 2048:

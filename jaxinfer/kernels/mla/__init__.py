@@ -1,61 +1,52 @@
 """Multi-head latent attention (DeepSeek-V3's MLA) ops over a paged latent cache, in absorbed form.
 
-Models call these functions; each dispatches to an implementation chosen by platform: the plain-jnp
-reference (``reference.py``, the semantic truth) on CPU; on GPU the Pallas decode kernel
-(``decode_pallas.py``) where its ``supports`` takes the call, else the reference. The cache write and
-the ragged prefill run the reference everywhere. ``set_implementation("reference")`` forces the
-reference (for debugging and for measuring what the kernel buys).
+Implementations (chosen by ``jaxinfer.kernels.registry``): the plain-jnp reference
+(``reference.py``, the semantic truth), and the Pallas decode kernel (``decode_pallas.py``) where
+its ``supports`` takes the call, in bf16 / f16 on a GPU (in float32 XLA's fusion of the reference
+was faster: docs/performance.md, "MLA decode"; interpreted, at every dtype). The cache write and
+the ragged prefill run the reference everywhere.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxinfer.kernels.dispatch import OpDispatcher
 from jaxinfer.kernels.mla import decode_pallas, reference
+from jaxinfer.kernels.registry import Implementation, Op, Target
 
 
-def _decode_where_faster(q_latent, q_rope, cache, block_tables, seq_lens, *, scale, interpret=False, **tuning):
-    """The Pallas kernel where ``decode_pallas.supports`` takes the call in bf16 / f16, else the
-    reference: in float32 XLA's fusion of the reference was faster on the H200 (44 against 68 us at
-    5 sequences of 1000 tokens, ``docs/performance.md``, "MLA decode")."""
-    half = q_latent.dtype in (jnp.bfloat16, jnp.float16)
-    if (half or interpret) and decode_pallas.supports(q_latent, q_rope, cache, **tuning):
-        return decode_pallas.mla_paged_decode_attention(q_latent, q_rope, cache, block_tables, seq_lens, scale=scale,
-                                                        interpret=interpret, **tuning)
-    return reference.mla_paged_decode_attention(q_latent, q_rope, cache, block_tables, seq_lens, scale=scale)
+def _decode_kernel_supports(target: Target, q_latent, q_rope, cache, block_tables, seq_lens, *, scale,
+                            **tuning) -> bool:
+    return target.runs_pallas and decode_pallas.supports(q_latent, q_rope, cache, **tuning)
 
 
-_dispatch = OpDispatcher(
-    "MLA",
-    {
-        "reference": {
-            "write_latent_cache": reference.write_latent_cache,
-            "mla_paged_decode_attention": reference.mla_paged_decode_attention,
-            "mla_ragged_paged_attention": reference.mla_ragged_paged_attention,
-        },
-        "pallas": {"mla_paged_decode_attention": _decode_where_faster},
-    },
-    {"gpu": "pallas", "cuda": "pallas"},
-)
-set_implementation = _dispatch.set_implementation
-implementation_name = _dispatch.implementation_name
+def _decode_kernel_preferred(target: Target, q_latent, *args, **options) -> bool:
+    return target.interpret or q_latent.dtype in (jnp.bfloat16, jnp.float16)
+
+
+write_latent_cache_op = Op("mla.write_latent_cache", reference.write_latent_cache)
+mla_paged_decode_attention_op = Op("mla.mla_paged_decode_attention", reference.mla_paged_decode_attention, (
+    Implementation("triton", decode_pallas.mla_paged_decode_attention, _decode_kernel_supports,
+                   preferred=_decode_kernel_preferred),
+))
+mla_ragged_paged_attention_op = Op("mla.mla_ragged_paged_attention", reference.mla_ragged_paged_attention)
 
 
 def write_latent_cache(cache, latent, k_rope, slot_mapping):
-    return _dispatch("write_latent_cache")(cache, latent, k_rope, slot_mapping)
+    """Each token's normed latent and rotated shared key into its cache row -> the cache."""
+    return write_latent_cache_op(cache, latent, k_rope, slot_mapping)
 
 
 def mla_paged_decode_attention(q_latent, q_rope, cache, block_tables, seq_lens, *, scale, **options):
-    return _dispatch("mla_paged_decode_attention")(q_latent, q_rope, cache, block_tables, seq_lens, scale=scale,
-                                                   **options)
+    """One query token per sequence over its latent pages -> [S, heads, latent] (before W_UV)."""
+    return mla_paged_decode_attention_op(q_latent, q_rope, cache, block_tables, seq_lens, scale=scale, **options)
 
 
 def mla_ragged_paged_attention(q_latent, q_rope, cache, positions, token_seq_ids, block_tables, seq_lens, *, scale,
                                valid=None):
-    return _dispatch("mla_ragged_paged_attention")(q_latent, q_rope, cache, positions, token_seq_ids, block_tables,
-                                                   seq_lens, scale=scale, valid=valid)
+    """Queries of several sequences (any number of new tokens each) over their latent pages."""
+    return mla_ragged_paged_attention_op(q_latent, q_rope, cache, positions, token_seq_ids, block_tables, seq_lens,
+                                         scale=scale, valid=valid)
 
 
-__all__ = ["implementation_name", "mla_paged_decode_attention", "mla_ragged_paged_attention", "set_implementation",
-           "write_latent_cache"]
+__all__ = ["mla_paged_decode_attention", "mla_ragged_paged_attention", "write_latent_cache"]

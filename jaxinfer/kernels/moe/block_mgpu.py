@@ -4,7 +4,7 @@ Same semantics as ``reference.moe_block``: the residual add, the RMSNorm, the ro
 softmax top-k routing with renormalised weights, the experts' SiLU-gated MLPs scaled by the routing
 weights, summed. It serves a decode step of one sequence, whose MoE block the engine's kernels run
 as five launches (add + norm, router projection, routing, gate + up, down) that each wait for the
-one before; ``supports`` says which shapes it takes (Qwen3-30B-A3B's).
+one before; ``fits`` says which shapes it takes (Qwen3-30B-A3B's), ``device_fits`` where.
 
 **Grid.** 66 clusters of 2 CTAs, one CTA per SM of an H200 (132). Each CTA has a producer
 warpgroup that streams 16 KB weight tiles (64 rows x 128 columns) through a ring of shared-memory
@@ -29,27 +29,19 @@ k-tiles ``[8 r, 8 r + 8)`` of a 2048-wide row.
   weight; the odd cluster's float32 sums meet the even cluster's through 64 flagged words, and the
   even cluster's rank 0 writes the row block's output and residual.
 
-Every CTA must be resident (the CTAs wait on each other): ``supports`` asks for a GPU of 132 SMs to
-itself. A wait gives up after about a second (``mgpu_inline.SPIN_LIMIT``), so a CTA that never ran
-(another process holding SMs) yields wrong values rather than a hung GPU. The flag (an int32 unique
-to the call among calls that may reuse its buffers, in word 0 of ``flag_words``) marks this call's
-words. A call also writes the next call's flag words (the flag plus one): the decoder makes the first
-layer's, the step id times the layer count, once per step, and hands each layer's on to the next,
-so no layer runs an op of its own to make its flag.
+Every CTA must be resident (the CTAs wait on each other): ``device_fits`` asks for a Hopper GPU of 132
+SMs and a program on that one device; the kernel assumes no other process holds SMs. A wait gives up
+after about a second (``mgpu_inline.SPIN_LIMIT``) rather than hang the GPU, and every CTA publishes
+a status word: ``timed_out`` reads them, and the op reports a call where any wait gave up (or any CTA
+never ran) as a fault of the model call (``jaxinfer.kernels.context``), whose outputs the engine
+then discards. The flag (an int32 unique to the call among calls that may reuse its buffers, in
+word 0 of ``flag_words``) marks this call's words. A call also writes the next call's flag words
+(the flag plus one), so a chain of calls (a step's layers) runs no op of its own to make its flags.
 
 **Outputs.** The block's output stream ``h + out`` (rounded as XLA rounds that add), which the next
-layer takes as its input with no residual apart, so no add runs between the layers; and its parts,
-the MoE output ``out`` and ``h = attn_out + residual``, for checks.
-
-Measured on the H200 (``benchmarks/results/2026-11-30-h200-r14/``): the probe this kernel was built
-from took 25.3 us a layer as a chain of 8 layers in one launch (traced; 30.6 for the engine's kernels
-doing the same), with nothing measurable for the launch itself. As this op, 8 layers chained one
-launch each: 32.2 us a layer against 35.1 for the block's ops (``device_time``, 1.6 us a layer of it
-the timing loop's), outputs within bf16 rounding of the reference (``scripts/moe_check.py
---only-block``). In the 24-layer one-sequence step: 2.7% and 3.9% faster in two runs
-(``scripts/decode_ab.py --variant moe-block-ops --layers 24``). Writing the output stream and the
-next flag took two small kernels a layer out of the step (``-r15/``); then 31.3 us a layer as a
-chain against 38.6 for the block's ops with their add.
+layer takes as its input with no residual apart, so no add runs between the layers; its parts, the
+MoE output ``out`` and ``h = attn_out + residual``, for checks; the next flag; the status words.
+The measurements behind this design: docs/performance.md, "MoE block kernel".
 """
 
 from __future__ import annotations
@@ -100,16 +92,10 @@ def fits(x, gate, up, down, router_weight, *, top_k: int, router: str, norm_topk
     return (top_k, router, norm_topk_prob, activation, has_biases) == (TOP_K, "softmax_topk", True, "silu", False)
 
 
-def device_fits() -> bool:
-    """One GPU of 132 SMs: every CTA resident at once, and no mesh of several devices to partition
-    the kernel over."""
-    device = jax.devices()[0]
-    return device.platform == "gpu" and getattr(device, "core_count", 0) == NUM_SMS and jax.device_count() == 1
-
-
-def supports(*args, **options) -> bool:
-    """``fits`` and ``device_fits``: whether the kernel takes this call here."""
-    return fits(*args, **options) and device_fits()
+def device_fits(target) -> bool:
+    """A Hopper GPU of 132 SMs (``jaxinfer.kernels.registry.Target``): every CTA resident at once,
+    and no mesh of several devices to partition the kernel over."""
+    return target.hopper and target.sm_count == NUM_SMS and target.mesh_size == 1
 
 
 # ---------------------------------------------------------------------------- PTX pieces
@@ -287,8 +273,8 @@ def _next_flag(flag_smem, next_gmem):
 
 # ------------------------------------------------------------------------------------ kernel
 def _kernel(attn_ref, res_ref, norm_ref, router_ref, gate_ref, up_ref, down_ref, flag_ref,
-            out_ref, h_ref, stream_ref, next_flag_ref, logit_ll, act_ll, part_ll, scoped, *, eps: float,
-            trigger: bool):
+            out_ref, h_ref, stream_ref, next_flag_ref, logit_ll, act_ll, part_ll, status_ref, scoped, *, eps: float,
+            trigger: bool, stale_router_words: bool):
     (ring, full, empty, routed, tiles_x, tiles_a, tiles_b, xvec, raw, part, gu_recv, r_recv, d_recv, lw, keys,
      ids_s, wts_s, ints, mbar, scratch, flag_s, bars, cbar) = scoped
     c = lax.axis_index("sm")
@@ -364,6 +350,7 @@ def _kernel(attn_ref, res_ref, norm_ref, router_ref, gate_ref, up_ref, down_ref,
         plgpu.copy_gmem_to_smem(flag_ref, flag_s, bars.at[0])
         plgpu.barrier_wait(bars.at[0])
         ints[0] = mi.flag_with_high_bit(flag_s[0])
+        ints[1] = jnp.int32(0)  # this CTA's status: set to 1 by a wait that gives up
 
         @pl.when((c == 0) & (rank == 0))
         def _():
@@ -372,6 +359,7 @@ def _kernel(attn_ref, res_ref, norm_ref, router_ref, gate_ref, up_ref, down_ref,
         plgpu.barrier_arrive(cbar.at[0])  # the peer sends only once the barriers exist
         plgpu.barrier_wait(cbar.at[0])
         flag = ints.at[pl.ds(0, 1)]
+        status = ints.at[pl.ds(1, 1)]
 
         def tile_sum(first, count, b_smem):
             """Column 0 of the WGMMAs of ring tiles first .. first + count - 1 against ``b_smem``."""
@@ -406,19 +394,24 @@ def _kernel(attn_ref, res_ref, norm_ref, router_ref, gate_ref, up_ref, down_ref,
             @pl.when(rank == 0)
             def _():
                 part[...] = vec
-                mi.wait_mbarrier(bar, 0)
+                mi.wait_mbarrier(bar, 0, status)
                 finish()
 
         mi.add_rows(attn_ref, res_ref, xvec)
         mi.rms_norm_half_to_tiles(xvec, norm_ref.at[pl.ds(rank * (HIDDEN // 2), HIDDEN // 2)], tiles_x, scratch, eps)
         plgpu.commit_smem()
 
+        router_flag = flag
+        if stale_router_words:  # a test of the status word: every wait for the logits gives up
+            ints[2] = ints[0] + 1
+            router_flag = ints.at[pl.ds(2, 1)]
+
         @pl.when(is_router)
         def _router():
             pair_sum(tile_sum(0, HK, tiles_x), MB_ROUTER, r_recv, lambda: mi.sum_publish(
-                "bf16", part, r_recv, logit_ll.at[pl.ds(c * (R // 2), R // 2)], flag, nrecv=1))
+                "bf16", part, r_recv, logit_ll.at[pl.ds(c * (R // 2), R // 2)], router_flag, nrecv=1))
 
-        mi.ll_poll(logit_ll, lw, flag, NUM_EXPERTS // 2, mi.PLAIN)
+        mi.ll_poll(logit_ll, lw, flag, status, NUM_EXPERTS // 2, mi.PLAIN)
         _route_top8(lw, keys, ids_s, wts_s)
         plgpu.barrier_arrive(routed.at[0])
 
@@ -432,7 +425,7 @@ def _kernel(attn_ref, res_ref, norm_ref, router_ref, gate_ref, up_ref, down_ref,
         @pl.when(is_down)
         def _down():
             for s, tiles in enumerate((tiles_a, tiles_b)):
-                mi.ll_poll(act_ll.at[pl.ds((2 * quarter + s) * ACT_WORDS, ACT_WORDS)], tiles, flag, ACT_WORDS,
+                mi.ll_poll(act_ll.at[pl.ds((2 * quarter + s) * ACT_WORDS, ACT_WORDS)], tiles, flag, status, ACT_WORDS,
                            mi.TILE_T, mi.b_tile_offset)
             plgpu.commit_smem()
             raw.at[0][...] = tile_sum(first, IT, tiles_a)
@@ -447,17 +440,20 @@ def _kernel(attn_ref, res_ref, norm_ref, router_ref, gate_ref, up_ref, down_ref,
 
                 @pl.when(lax.rem(c, 2) == 0)
                 def _():
-                    mi.ll_poll(part_ll.at[block], d_recv.at[1], flag, R, mi.PLAIN)
+                    mi.ll_poll(part_ll.at[block], d_recv.at[1], flag, status, R, mi.PLAIN)
                     rows = pl.ds(block * R, R)
                     _store_output(part, d_recv, xvec.at[rows], out_ref.at[rows], h_ref.at[rows], stream_ref.at[rows])
             pair_sum(vec, MB_DOWN, d_recv, finish)
 
+        mi.publish_status(flag, status, status_ref.at[pl.ds(c * CL + rank, 1)])
+
 
 @functools.lru_cache(maxsize=None)
-def _build(eps: float, trigger: bool):
+def _build(eps: float, trigger: bool, stale_router_words: bool = False):
     def entry(*refs):
         pl.run_scoped(
-            lambda scoped: _kernel(*refs, scoped, eps=eps, trigger=trigger),
+            lambda scoped: _kernel(*refs, scoped, eps=eps, trigger=trigger,
+                                   stale_router_words=stale_router_words),
             (plgpu.SMEM((SLOTS, R, KC), jnp.bfloat16, transforms=mi.TILED),  # ring
              plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS),  # full: two TMA boxes a tile
              plgpu.Barrier(num_arrivals=1, num_barriers=SLOTS),  # empty
@@ -492,7 +488,8 @@ def _build(eps: float, trigger: bool):
                   jax.ShapeDtypeStruct((FLAG_WORDS,), jnp.int32),  # the next call's flag words
                   jax.ShapeDtypeStruct((NUM_EXPERTS // 2, 2), jnp.int32),  # logit words
                   jax.ShapeDtypeStruct((TOP_K * ACT_WORDS, 2), jnp.int32),  # activation words
-                  jax.ShapeDtypeStruct((OUT_BLOCKS, R, 2), jnp.int32)),  # the odd clusters' down sums
+                  jax.ShapeDtypeStruct((OUT_BLOCKS, R, 2), jnp.int32),  # the odd clusters' down sums
+                  jax.ShapeDtypeStruct((NUM_SMS, 2), jnp.int32)),  # each CTA's status word
         grid=(NCL,),
         grid_names=("sm",),
         cluster=(CL,),
@@ -508,6 +505,7 @@ class BlockOutputs(NamedTuple):
     next_flag: jax.Array  # [FLAG_WORDS] int32, the next call's flag words
     out: jax.Array  # [1, H] the MoE output
     residual: jax.Array  # [1, H] h = attn_out + residual
+    status: jax.Array  # [NUM_SMS, 2] int32: each CTA's (status, flag) word; see ``timed_out``
 
 
 def flag_words(flag):
@@ -515,11 +513,21 @@ def flag_words(flag):
     return jnp.zeros((FLAG_WORDS,), jnp.int32).at[0].set(jnp.asarray(flag, jnp.int32))
 
 
-def moe_block(attn_out, residual, norm_weight, router_weight, gate, up, down, flag, *, eps: float) -> BlockOutputs:
+def timed_out(outputs: BlockOutputs, flag) -> jax.Array:
+    """[NUM_SMS] bool: CTAs whose call went wrong: one of its waits gave up, or its status word does
+    not carry this call's flag (the CTA never ran). ``flag``: the call's flag words."""
+    expected = mi.flag_with_high_bit(jnp.asarray(flag, jnp.int32)[0])
+    return (outputs.status[:, 0] != 0) | (outputs.status[:, 1] != expected)
+
+
+def moe_block(attn_out, residual, norm_weight, router_weight, gate, up, down, flag, *, eps: float,
+              stale_router_words: bool = False) -> BlockOutputs:
     """``reference.moe_block`` with softmax top-8 routing and renormalised weights, plus its parts.
     ``flag``: ``flag_words`` of an int32 unique to the call (see the module docstring); the call
     returns the next call's, the flag plus one, so that a chain of blocks (a step's layers) needs no
-    op of its own to make each one's."""
+    op of its own to make each one's. Check ``timed_out`` before trusting the outputs.
+    ``stale_router_words`` (tests of that check): the router's words carry another call's flag, so
+    every wait for them gives up."""
     semantics = dict(top_k=TOP_K, router="softmax_topk", norm_topk_prob=True, activation="silu", has_biases=False)
     if not fits(attn_out, gate, up, down, router_weight, **semantics) or residual.shape != attn_out.shape \
             or norm_weight.shape != (HIDDEN,):
@@ -534,6 +542,7 @@ def moe_block(attn_out, residual, norm_weight, router_weight, gate, up, down, fl
     if jnp.shape(flag) != (FLAG_WORDS,) or jnp.result_type(flag) != jnp.int32:
         raise ValueError(f"the one-token MoE block kernel takes its flag as {FLAG_WORDS} int32 words "
                          f"(block_mgpu.flag_words(flag)), not {jnp.result_type(flag)}{jnp.shape(flag)}")
-    out, h, stream, next_flag, *_ = _build(float(eps), pdl.triggers_at_start("moe_block"))(
-        attn_out.reshape(HIDDEN), residual.reshape(HIDDEN), norm_weight, router_weight, gate, up, down, flag)
-    return BlockOutputs(stream.reshape(1, HIDDEN), next_flag, out.reshape(1, HIDDEN), h.reshape(1, HIDDEN))
+    kernel = _build(float(eps), pdl.triggers_at_start("moe_block"), stale_router_words)
+    out, h, stream, next_flag, _, _, _, status = kernel(attn_out.reshape(HIDDEN), residual.reshape(HIDDEN),
+                                                        norm_weight, router_weight, gate, up, down, flag)
+    return BlockOutputs(stream.reshape(1, HIDDEN), next_flag, out.reshape(1, HIDDEN), h.reshape(1, HIDDEN), status)

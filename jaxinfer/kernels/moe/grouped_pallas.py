@@ -34,7 +34,8 @@ blocks of one expert reuse that expert's weight tiles from L2.
 largest power of two (up to the Hopper target) that divides the reduction dimension (2880 = 45 * 64
 takes 64, 768 and 2048 take the targets), so the reductions of the real models run unmasked; the
 output-column ``block_n`` keeps its target where that pads the dimension by at most 1/8 (2880 -> 23 x
-128 columns for gate and up, 12 x 256 for down), which measured faster than narrower unmasked tiles.
+128 columns for gate and up, 12 x 256 for down), which measured faster than narrower unmasked tiles
+(docs/performance.md, "MoE grouped GEMM kernels").
 Past ``H``/``I`` the weight, bias and ``x`` loads are masked to zero and the two intermediate arrays
 are padded (``I_pad``, ``H_pad``: whole blocks; the hidden's padding columns are written as zeros).
 
@@ -49,22 +50,10 @@ spread it over enough programs to fill the GPU. **Prefill**:
 padding stays cheap, large enough that most experts still take one block (weights read about once)
 and big loads get 128-row MMA tiles.
 
-Tried at one token and not kept (Qwen3-30B-A3B shape on the H200, kernel times from a trace, against
-this module in one run): summing the k slots inside a one-token down kernel (a product on the CUDA
-cores over (slot, ``I`` step) pairs, 16 columns a program) took 21.6 us where the down kernel and the
-slot sum take 8.4 + 1.0: too few programs, each with too much to read. Routing inside the gate + up
-kernel (every program ranks the experts before its weight loads can start) made that kernel 3.4 us
-slower (18.6 against 15.2), more than the 2.2 us routing kernel it spared; for GPT-OSS-20B's 32
-experts the pair was 0.9 us faster, for MiniMax-M2's 256 18 us slower. Matrix-vector kernels on the
-CUDA cores instead of the 16-row MMA tiles (4 weight rows by 1024 columns a program, as the few-row
-projection; branch ``tried/moe-one-token-matvec``) read no faster: gate + up 15.0 us against 14.6,
-down 10.0 against 8.8 (and 13.4-14.5 with the slot sum inside it, 512 programs). The gate + up
-programs starting an L2 prefetch of their expert's down weights (bulk prefetches, as each program
-finishes or starts; branch ``tried/l2-bulk-prefetch``) made the whole step 2.1% / 5.5% slower: the
-gate + up kernel already keeps HBM busy. Applying the MoE block's RMSNorm in the gate + up kernel
-(the rows scaled by the norm weight as they load, their squares summed from the same loads; branch
-``tried/moe-norm-fold-gate-up``) took that kernel from 15.3 to 35.4 us: any use of the gathered
-``x`` tile besides the dot made it 2-2.3x slower (by our reading, the loop loses its pipelining).
+The one-token variants tried and not kept (the slot sum inside the down kernel, routing inside the
+gate + up kernel, matrix-vector kernels on the CUDA cores, an L2 prefetch of the down weights, the
+MoE block's RMSNorm applied in the gate + up kernel) are in docs/performance.md, "MoE grouped GEMM
+kernels".
 """
 
 from __future__ import annotations
@@ -101,9 +90,8 @@ def _round_up(n: int, m: int) -> int:
 
 def _fit(dim: int, target: int, pad_ok: bool = False) -> int:
     """``target`` where it divides ``dim`` (or, with ``pad_ok``, pads it by at most 1/8: masked output
-    columns cost less than narrower tiles; GPT-OSS's MoE prefill ran 7% faster with its down projection
-    over 2880 -> 3072 columns in tiles of 256, 4 stages, than over 2880 in tiles of 64, 3 stages); else
-    the largest power of two in [16, target] dividing ``dim``; else ``target`` (capped to the
+    columns measured cheaper than narrower tiles, docs/performance.md, "MoE grouped GEMM kernels");
+    else the largest power of two in [16, target] dividing ``dim``; else ``target`` (capped to the
     dimension), masked."""
     cap = min(target, max(16, _next_pow2(dim)))
     if dim % cap == 0 or (pad_ok and _round_up(dim, cap) <= 1.125 * dim):
@@ -119,7 +107,7 @@ def default_block_sizes(num_tokens: int, top_k: int, num_experts: int, hidden: i
 
     Returns ``block_m`` and, per kernel (``"gate_up"``, ``"down"``), ``block_n``, ``block_k``,
     ``num_warps``, ``num_stages``. Decode-sized (``block_m <= 32``, memory bound): narrow column blocks
-    (32; 64 for down, which ran 0.4-4 us faster than 32 at 1 and 8 tokens of both models) for many
+    (32; 64 for down, measured faster than 32: docs/performance.md, "MoE grouped GEMM kernels") for many
     programs, long ``block_k`` (128) for wide contiguous weight loads, 4 warps, 4 stages (3 for down
     from 2 tokens on).
     Prefill (``block_m`` 64 / 128, compute bound): at 64 rows, 64 (gate and up: two accumulators) or
@@ -133,15 +121,13 @@ def default_block_sizes(num_tokens: int, top_k: int, num_experts: int, hidden: i
         block_m = min(128, max(16, _next_pow2(2 * -(-rows // num_experts))))
     if block_m <= 32:
         gate_up = dict(block_n=32, block_k=128, num_warps=4, num_stages=4)
-        # Down in 3 stages from 2 tokens on: 3-9% faster at 2-8 tokens of Qwen3-30B-A3B, even at 16
-        # and 32, and about 1% slower at one token, which keeps 4
-        # (benchmarks/results/2026-11-30-h200-r4/moe_stage_probe.json; GPT-OSS's shape not timed).
+        # Down in 3 stages from 2 tokens on, 4 at one token, as measured on the H200:
+        # docs/performance.md, "MoE grouped GEMM kernels".
         down = dict(block_n=64, block_k=128, num_warps=4, num_stages=3 if num_tokens > 1 else 4)
     elif block_m == 64:
         gate_up = dict(block_n=64, block_k=64, num_warps=4, num_stages=4)
         down = dict(block_n=128, block_k=64, num_warps=4, num_stages=4)
-    else:  # the fastest on the H200 at both models' shapes: scripts/moe_check.py --sweep, and for down's
-        # 4 stages an A/B in one run (benchmarks/results/2026-11-29-h200-r5/moe_defaults_ab.json)
+    else:  # measured best on the H200 at both models' shapes: docs/performance.md, "MoE grouped GEMM kernels"
         gate_up = dict(block_n=128, block_k=64, num_warps=8, num_stages=4)
         down = dict(block_n=256, block_k=64, num_warps=8, num_stages=4)
     gate_up.update(block_n=_fit(inter, gate_up["block_n"], pad_ok=True), block_k=_fit(hidden, gate_up["block_k"]))

@@ -2,11 +2,8 @@
 
 Same result as ``grouping.group_by_expert`` (the jnp form, a stable sort): pairs in stable
 expert order, each expert's group padded to whole ``block_m`` row blocks. The jnp form is a radix
-sort plus 14 small XLA kernels; at 4096 tokens x top-8 over 128 experts on the H200 they took
-about 70 us of kernel time, and more in launch gaps, next to 700 us of expert GEMMs. These two
-launches take 16 us there, and the whole MoE op ran 7% faster (``scripts/moe_check.py``; the A/B
-is in ``benchmarks/results/2026-11-29-h200-r6/``). The pairs are cut into chunks of ``chunk``
-consecutive pairs and:
+sort plus 14 small XLA kernels; these two launches take a fraction of their time (docs/performance.md,
+"MoE prefill grouping kernels"). The pairs are cut into chunks of ``chunk`` consecutive pairs and:
 
 1. **count** (one program per chunk): each chunk's per-expert counts ``[C, E]``; each program also
    writes ``-1`` over its share of the padded-row array (the padding marker).
@@ -19,8 +16,8 @@ consecutive pairs and:
 Every tensor a program holds is a power-of-two tile of at most ``_TILE_ELEMENTS`` elements; experts
 are padded to a power of two inside the kernels (their counts are 0). Each place program reads the
 counts of every chunk, so that kernel's L2 traffic grows with the square of the chunk count: 256
-chunks (4096 tokens x top-8, 128 experts) read 32 MB and took 14 us on the H200; at many times
-that, a separate prefix sum over the chunks would be the cheaper form.
+chunks (4096 tokens x top-8, 128 experts) read 32 MB; at many times that, a separate prefix sum
+over the chunks would be the cheaper form.
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@
 
 Ties go to the lower expert index (``jax.lax.top_k``'s order).
 
-**The whole block at one token** (``moe_block``): the residual add and RMSNorm in front of the
-router, the router projection, the routing and the experts, as the decoder layer runs them one op
-after another; the GPU may run it as one kernel (``block_mgpu``).
+**The pre-norm block** (``moe_block``): the residual add and RMSNorm in front of the router, the
+router projection, the routing and the experts, as a decoder layer runs them one op after another
+(a GPU kernel may run a one-token block as one launch, ``block_mgpu``).
 
 **Expert MLP** (``moe_mlp``):
 
@@ -107,13 +107,14 @@ def moe_mlp(x, expert_ids, expert_weights, gate, up, down, *, gate_bias=None, up
     return unsorted.reshape(num_tokens, top_k, -1).sum(axis=1).astype(x.dtype)
 
 
-def moe_block(attn_out, residual, norm_weight, router_weight, gate, up, down, flag=None, *, eps: float,
-              top_k: int, norm_topk_prob: bool = True):
-    """A decoder layer's MoE block with softmax top-k routing and no biases: ``h = attn_out +
-    residual``, its RMSNorm (``add_rms_norm``), the router projection (bf16 logits, as ``nn.Linear``),
-    ``route`` and ``moe_mlp``. -> (``h`` + the MoE output, like ``attn_out``: the layer's output as
-    HF adds it; ``flag``). ``flag`` is for kernels (see ``block_mgpu``): the reference passes it on."""
+def moe_block(attn_out, residual, norm_weight, router_weight, gate, up, down, *, eps: float, top_k: int,
+              norm_topk_prob: bool = True, context=None):
+    """A pre-norm decoder layer's MoE block with softmax top-k routing and no biases: ``h = attn_out +
+    residual``, its RMSNorm (``add_rms_norm``), the router projection (in the activations' dtype, as
+    ``nn.Linear``), ``route`` and ``moe_mlp``. -> ``(the MoE output, h)``, whose sum is the layer's
+    output as HF adds it (the next layer's residual add). ``context`` (the kernels' per-call
+    ``KernelContext``) is unused here."""
     normed, h = add_rms_norm(attn_out, residual, norm_weight, eps)
     (logits,) = project(normed, [router_weight])
     weights, ids = route(logits, router="softmax_topk", top_k=top_k, norm_topk_prob=norm_topk_prob)
-    return h + moe_mlp(normed, ids, weights, gate, up, down, distinct_experts=True), flag
+    return moe_mlp(normed, ids, weights, gate, up, down, distinct_experts=True), h

@@ -1,10 +1,10 @@
 """MoE routing in one Pallas kernel (Triton lowering), same semantics as ``reference.route``.
 
 At decode the router's jnp form is a softmax, a ``top_k`` (a sort on the GPU), a normalisation and
-a few casts: four or five launches of a microsecond or more each, per layer, for a ``[T, E]`` array
-that fits in registers. Here one program takes ``block_t`` tokens' logits, scores them in float32,
-picks the top k by k rounds of (row max, lowest index holding it, mask it out) -- exact, ties to
-the lower index as ``jax.lax.top_k`` breaks them -- and writes the weights and ids.
+a few casts: four or five launches per layer for a ``[T, E]`` array that fits in registers. Here
+one program takes ``block_t`` tokens' logits, scores them in float32, picks the top k by k rounds
+of (row max, lowest index holding it, mask it out) -- exact, ties to the lower index as
+``jax.lax.top_k`` breaks them -- and writes the weights and ids.
 
 Grouped top-k (``n_group > 1``) is not fused: ``route`` runs the reference for it.
 """
@@ -23,8 +23,8 @@ from jaxinfer.kernels import pdl
 from jaxinfer.kernels.moe import reference
 
 # Scores one program holds per tensor (block_t x padded experts), in one warp: its row reductions are
-# then warp shuffles, with no shared-memory round trips between the k rounds. A single program with
-# [32, 128] tensors over 4 warps measured 46 us on the H200.
+# then warp shuffles, with no shared-memory round trips between the k rounds (a single program of
+# [32, 128] tensors over 4 warps measured far slower: docs/performance.md, "MoE routing kernel").
 _REGISTER_ELEMENTS = 1024
 
 

@@ -115,6 +115,7 @@ class PagedGQAttention(nn.Module):
         else:
             q, k_cache, v_cache = attention_ops.rotary_cache_write(q, k, v, cos, sin, cache["k"], cache["v"],
                                                                    md.slot_mapping, **norms)
-            out = attention_ops.ragged_paged_attention(q, k_cache, v_cache, md, **options)
+            out = attention_ops.ragged_paged_attention(q, k_cache, v_cache, md.positions, md.token_seq_ids,
+                                                       md.block_tables, md.seq_lens, **options)
         out = Linear(x.shape[-1], self.o_bias, self.param_dtype, name="o_proj")(out.reshape(t, q_size))
         return out, {"k": k_cache, "v": v_cache}, residual

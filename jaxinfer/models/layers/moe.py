@@ -8,9 +8,10 @@ Experts are stored stacked in nn.Linear orientation (``gate``/``up`` ``[E, I, H]
 ``[E, H, I]``) and run through ``jaxinfer.kernels.moe.moe_mlp``. An optional shared expert (a plain
 gated MLP, optionally scaled by ``sigmoid(shared_expert_gate(x))``) is added to every token.
 
-At one token a block with softmax top-k routing and nothing else (no biases, no shared expert, SiLU)
-runs as one op with the residual add and RMSNorm in front of it (``SparseMoE.takes_whole_block``,
-``jaxinfer.kernels.moe.moe_block``), which the GPU may run as one kernel.
+A block with softmax top-k routing and nothing else (no biases, no shared expert, SiLU; ``MoESpec.
+is_plain_block``) runs as one op with the residual add and RMSNorm in front of it
+(``jaxinfer.kernels.moe.moe_block``), whose implementations decide how (one kernel at one token
+on the GPU where it fits).
 """
 
 from __future__ import annotations
@@ -54,6 +55,14 @@ class MoESpec:
         if self.router not in ROUTERS:
             raise ValueError(f"unknown router {self.router!r}; known: {ROUTERS}")
 
+    @property
+    def is_plain_block(self) -> bool:
+        """Whether the block is what ``moe_ops.moe_block`` computes: softmax top-k, SiLU experts, no
+        biases, no shared expert, no scaling, the router in the activations' dtype."""
+        return (self.router == "softmax_topk" and not self.router_bias and not self.expert_bias
+                and self.activation == "silu" and not self.shared_intermediate_size
+                and self.routed_scaling_factor == 1.0 and self.norm_eps == 0.0 and not self.router_float32)
+
 
 def route(logits, spec: MoESpec, correction_bias=None):
     """Router logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int32), as ``spec`` routes."""
@@ -64,30 +73,23 @@ def route(logits, spec: MoESpec, correction_bias=None):
 
 class SparseMoE(nn.Module):
     """``moe(x)`` for the normalised rows ``x``; ``moe(attn_out, block=(residual, norm_weight, eps,
-    flag))`` for the whole block at one token (see ``takes_whole_block``): -> (the block's output
-    ``h + MoE(RMSNorm(h))`` with ``h = attn_out + residual``, the next call's flag words;
-    ``jaxinfer.kernels.moe.moe_block``)."""
+    kernel_context))`` for a plain block (``MoESpec.is_plain_block``) with the residual add and RMSNorm
+    in front of it: -> ``(x, residual)`` whose sum is the layer's output (``jaxinfer.kernels.moe.
+    moe_block``)."""
 
     spec: MoESpec
     hidden_act: str = "silu"
     param_dtype: jnp.dtype = jnp.float32
 
-    @staticmethod
-    def takes_whole_block(spec: MoESpec, num_tokens: int) -> bool:
-        """Whether the residual add and RMSNorm in front of the block go into one op with it."""
-        return (num_tokens == 1 and spec.router == "softmax_topk" and not spec.router_bias and not spec.expert_bias
-                and spec.activation == "silu" and not spec.shared_intermediate_size
-                and spec.routed_scaling_factor == 1.0 and spec.norm_eps == 0.0 and not spec.router_float32)
-
     @nn.compact
     def __call__(self, x, block=None):
         spec = self.spec
         if block is not None:
-            residual, norm_weight, eps, flag = block
+            residual, norm_weight, eps, kernel_context = block
             router, _ = LinearParams(spec.num_experts, False, self.param_dtype, name=spec.router_name)(x.shape[-1])
             gate, up, down = Experts(spec, x.shape[-1], self.param_dtype, name="experts").weights()
-            return moe_ops.moe_block(x, residual, norm_weight, router, gate, up, down, flag, eps=eps,
-                                     top_k=spec.top_k, norm_topk_prob=spec.norm_topk_prob)
+            return moe_ops.moe_block(x, residual, norm_weight, router, gate, up, down, eps=eps, top_k=spec.top_k,
+                                     norm_topk_prob=spec.norm_topk_prob, context=kernel_context)
         if spec.router_float32:
             logits = Linear(spec.num_experts, spec.router_bias, jnp.float32, name=spec.router_name)(x.astype(jnp.float32))
         else:
