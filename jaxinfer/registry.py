@@ -27,6 +27,8 @@ _BUILTIN_MODELS: dict[str, str] = {
     "DeepseekV3ForCausalLM": _DEEPSEEK_V3,
     "SarvamMLAForCausalLM": _DEEPSEEK_V3,  # model_type sarvam_mla: DeepSeek-V3 underneath
     "Kimi_K25ForConditionalGeneration": _DEEPSEEK_V3,  # its text model (text_config) is DeepSeek-V3
+    "DeepseekV32ForCausalLM": "jaxinfer.models.deepseek_v32:DeepseekV32ForCausalLM",
+    "GlmMoeDsaForCausalLM": "jaxinfer.models.glm_moe_dsa:GlmMoeDsaForCausalLM",
 }
 
 

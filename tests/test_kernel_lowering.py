@@ -27,6 +27,8 @@ from jaxinfer.kernels.moe.grouping_pallas import group_by_expert
 from jaxinfer.kernels.moe.router_pallas import route
 from jaxinfer.kernels.norm.rms_norm_pallas import add_rms_norm
 from jaxinfer.kernels.registry import Target
+from jaxinfer.kernels.sparse_mla import attention_pallas as sparse_attention_pallas
+from jaxinfer.kernels.sparse_mla import indexer_pallas
 
 S = jax.ShapeDtypeStruct
 BF16, I32 = jnp.bfloat16, jnp.int32
@@ -321,3 +323,30 @@ def test_mla_decode_kernels_trigger_the_next_launch_early():
     for family in ("decode_attention", "decode_combine"):
         with pdl.trigger_points({family: "none"}):
             assert _lower_for_gpu(fn, *args).count(_TRIGGER) == 1
+
+
+@pytest.mark.parametrize("tokens, heads, top_k", [(1, 128, 2048), (64, 16, 2048), (4096, 128, 512)])
+def test_sparse_mla_attention_lowers(tokens, heads, top_k):
+    """Each token over its selected latent rows: decode at DeepSeek-V3.2's shape, a prefill chunk of
+    one 8-way tensor-parallel shard, a long chunk with fewer slots."""
+    text = _lower_for_gpu(functools.partial(sparse_attention_pallas.sparse_mla_attention, scale=0.1),
+                          S((tokens, heads, 512), BF16), S((tokens, heads, 64), BF16), S((1024, 64, 576), BF16),
+                          S((tokens, top_k), I32))
+    assert "sparse_mla_attention" in text
+
+
+@pytest.mark.parametrize("tokens, pages_per_seq", [(1, 512), (32, 128)])
+def test_indexer_scores_lower(tokens, pages_per_seq):
+    """DeepSeek-V3.2's indexer (64 heads of 128) at decode over 32k tokens, and 32 sequences of 8k."""
+    text = _lower_for_gpu(functools.partial(indexer_pallas.indexer_scores, scale=128 ** -0.5),
+                          S((tokens, 64, 128), BF16), S((tokens, 64), jnp.float32), S((8192, 64, 128), BF16),
+                          S((tokens,), I32), S((tokens,), I32), S((tokens, pages_per_seq), I32))
+    assert "indexer_scores" in text
+
+
+def test_indexer_select_lowers_for_a_long_prefill():
+    """4096 new tokens over a 32k-token block table: the scores kernel in query tiles, XLA's top-k."""
+    text = _lower_for_gpu(functools.partial(indexer_pallas.indexer_select, scale=128 ** -0.5, top_k=2048),
+                          S((4096, 64, 128), BF16), S((4096, 64), jnp.float32), S((1024, 64, 128), BF16),
+                          S((4096,), I32), S((4096,), I32), S((1, 512), I32))
+    assert "indexer_scores" in text

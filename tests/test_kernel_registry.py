@@ -130,7 +130,7 @@ def faulty_moe_engine(hf_checkpoint):
     path, _ = hf_checkpoint("qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                             head_dim=16, intermediate_size=48)
     small = dict(dtype="float32", max_model_len=48, max_num_seqs=2, max_num_batched_tokens=16, page_size=8,
-                 show_progress=False)
+                 show_progress=False, warmup=False)
     with registry.variant("moe.moe_block", faulty_block, pallas=False):
         llm = LLM(path, **small)
     return llm, LLM(path, **small)

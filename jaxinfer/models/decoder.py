@@ -12,6 +12,7 @@ checkpoint layout differs from the parameter tree.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -129,9 +130,12 @@ class DecoderLayer(nn.Module):
         return mlp(x, prenorm)
 
     @nn.compact
-    def __call__(self, x, residual, cache: dict, md, rotary):
-        """-> (x, residual, cache)."""
+    def __call__(self, x, residual, cache: dict, md, rotary, across_layers: dict | None = None):
+        """-> (x, residual, cache). ``across_layers``: values of this forward that layers hand to later
+        layers (a sparse-attention selection shared across layers); given to mixers that ask for it."""
         mixer = self.spec.mixer.module(self.config, self.param_dtype)
+        if getattr(self.spec.mixer, "across_layers", False):
+            mixer = functools.partial(mixer, across_layers=across_layers)
         if isinstance(self.spec.residual, SandwichResidual):
             return self._sandwich(mixer, x, residual, cache, md, rotary)
         return self._pre_norm_block(mixer, x, residual, cache, md, rotary)
@@ -189,11 +193,11 @@ class DecoderModel(nn.Module):
             rotary = layer.mixer.rotary(c)
             if rotary is not None and rotary not in tables:
                 tables[rotary] = rotary.cos_sin(md.positions, seq_len_of_token)
-        new_caches, residual = [], None
+        new_caches, residual, across_layers = [], None, {}
         for i, layer in enumerate(self.spec.layers):
             rotary = layer.mixer.rotary(c)
             x, residual, cache = DecoderLayer(c, layer, self.spec.norm, self.param_dtype, name=f"layers_{i}")(
-                x, residual, caches[i], md, tables.get(rotary))
+                x, residual, caches[i], md, tables.get(rotary), across_layers)
             new_caches.append(cache)
         final_norm = RMSNorm(c.rms_norm_eps, unit_offset=self.spec.norm.unit_offset,
                              float32_weight=self.spec.norm.float32_weight, param_dtype=self.param_dtype, name="norm")

@@ -9,6 +9,15 @@ output is a sum of latents, and W_UV (kv_b's value rows) maps it to each head's 
 then reads cached pages for chunked prefill and decode; the expanded form (keys and values per head
 from kv_b, fewer FLOPs per key at long prompts) is left to a GPU prefill kernel.
 The latent and q_a norms use eps 1e-6 whatever ``rms_norm_eps`` says, as HF does.
+
+With an ``Indexer`` (DeepSeek sparse attention: DeepSeek-V3.2, GLM-5) the layer also keeps one
+indexer key per token (a ``PagedSide`` cache) and each token attends only to the ``top_k`` cached
+tokens its indexer scores best (``jaxinfer.kernels.sparse_mla``): the indexer's queries come from
+the normed q latent through ``wq_b``, its key from the block's normed input through ``wk`` and a
+LayerNorm, both rotated over their first ``qk_rope_head_dim`` dims; its per-head weights from
+``weights_proj`` (kept in float32, as HF keeps it) times ``num_heads ** -0.5``. A layer that
+``shares_selection`` (GLM-5's "shared" layers) has no indexer and attends to the last indexer
+layer's selection, handed on through the forward's ``across_layers`` values.
 """
 
 from __future__ import annotations
@@ -19,15 +28,38 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxinfer.cache.metadata import AttentionMetadata
-from jaxinfer.cache.specs import PagedLatent
+from jaxinfer.cache.specs import PagedLatent, PagedSide
+from jaxinfer.errors import ConfigError
 from jaxinfer.kernels import linear as linear_ops
 from jaxinfer.kernels import mla as mla_ops
+from jaxinfer.kernels import norm as norm_ops
+from jaxinfer.kernels import sparse_mla as sparse_ops
 from jaxinfer.kernels.math import apply_rotary, apply_rotary_interleaved
 from jaxinfer.models.layers.linear import Linear, LinearParams
-from jaxinfer.models.layers.norm import PreNorm, RMSNorm
+from jaxinfer.models.layers.norm import LayerNorm, PreNorm, RMSNorm
 from jaxinfer.models.layers.rope import RotaryEmbedding
 
 LATENT_NORM_EPS = 1e-6  # HF's q_a_layernorm and kv_a_layernorm: hard-coded, not rms_norm_eps
+INDEXER_KEY_NORM_EPS = 1e-6  # HF's indexer k_norm (a LayerNorm): hard-coded too
+SELECTION = "sparse_selection"  # the across-layers key of the last indexer's selection
+
+
+def _rotate_interleaved_prefix(x, cos, sin):
+    """Interleaved RoPE over the first ``cos.shape[-1]`` dims of ``x`` [T, heads, d]; the rest pass."""
+    rotary_dim = cos.shape[-1]
+    rotated = apply_rotary_interleaved(x[..., :rotary_dim], cos, sin)
+    return jnp.concatenate([rotated, x[..., rotary_dim:]], axis=-1) if x.shape[-1] > rotary_dim else rotated
+
+
+@dataclasses.dataclass(frozen=True)
+class Indexer:
+    """DeepSeek sparse attention's lightning indexer: ``num_heads`` heads of ``head_dim``, ``top_k``
+    keys kept per query token."""
+
+    num_heads: int
+    head_dim: int
+    top_k: int
+    rope_interleave: bool = False  # DeepSeek-V3.2: rotate_half over the first rope dims; GLM-5: interleaved pairs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,14 +75,34 @@ class MLA:
     rope_interleave: bool = True  # RoPE over interleaved pairs (DeepSeek), else rotate_half
     use_rope: bool = True  # False: NoPE (the k_rope slice is kept but never rotated)
     softmax_scale: float | None = None  # default (qk_nope + qk_rope) ** -0.5
+    indexer: Indexer | None = None  # DeepSeek sparse attention
+    shares_selection: bool = False  # sparse attention over the previous layer's selection, no indexer (GLM-5)
     name: str = "self_attn"
 
+    @property
+    def across_layers(self) -> bool:
+        """Whether the layer hands a sparse-attention selection to the layers after it, or takes one."""
+        return self.indexer is not None or self.shares_selection
+
     def validate(self, config) -> None:
-        """Nothing beyond the sizes the family checks as it reads them (RoPE's width is checked with the
-        other mixers' through ``rotary``)."""
+        """The indexer's constraints (its queries come from the q latent; it rotates the first
+        ``qk_rope_head_dim`` of its dims); the sizes are checked as the family reads them."""
+        if self.indexer is not None and self.shares_selection:
+            raise ConfigError("a sparse-attention layer either runs its indexer or shares the previous layer's "
+                              "selection, not both")
+        if self.indexer is None:
+            return
+        if not self.q_lora_rank:
+            raise ConfigError("sparse attention's indexer reads the q latent: q_lora_rank must be set")
+        if self.indexer.head_dim < self.qk_rope_head_dim:
+            raise ConfigError(f"index_head_dim ({self.indexer.head_dim}) must be at least qk_rope_head_dim "
+                              f"({self.qk_rope_head_dim}): the indexer rotates its first qk_rope_head_dim dims")
 
     def cache_specs(self, config) -> tuple[PagedLatent, ...]:
-        return (PagedLatent(self.kv_lora_rank, self.qk_rope_head_dim),)
+        latent = PagedLatent(self.kv_lora_rank, self.qk_rope_head_dim)
+        if self.indexer is None:
+            return (latent,)
+        return latent, PagedSide("index_keys", self.indexer.head_dim)
 
     def rotary(self, config) -> RotaryEmbedding | None:
         if not self.use_rope:
@@ -67,8 +119,11 @@ class MultiHeadLatentAttention(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x, cache: dict, md: AttentionMetadata, rotary, prenorm: PreNorm | None = None):
-        """``cache``: {"latent"}; ``rotary``: (cos, sin) over qk_rope_head_dim, or None (NoPE).
+    def __call__(self, x, cache: dict, md: AttentionMetadata, rotary, prenorm: PreNorm | None = None,
+                 across_layers: dict | None = None):
+        """``cache``: {"latent"} (and "index_keys" with an indexer); ``rotary``: (cos, sin) over
+        qk_rope_head_dim, or None (NoPE); ``across_layers`` (sparse attention): the forward's values
+        handed between layers, where an indexer leaves its selection for a sharing layer after it.
         -> (output, the updated cache, the residual stream after ``prenorm``'s add; None without one)."""
         s, heads, t, hidden = self.spec, self.num_heads, x.shape[0], x.shape[-1]
         qk_head = s.qk_nope_head_dim + s.qk_rope_head_dim
@@ -78,12 +133,17 @@ class MultiHeadLatentAttention(nn.Module):
         kv_a = LinearParams(s.kv_lora_rank + s.qk_rope_head_dim, s.attention_bias, self.param_dtype,
                             name="kv_a_proj_with_mqa")(hidden)
         weights, biases = [q_first[0], kv_a[0]], [q_first[1], kv_a[1]]
-        if prenorm is None:
+        if s.indexer is not None:  # the indexer projects the normed input too
+            normed, residual = (x, None) if prenorm is None else norm_ops.add_rms_norm(
+                x, prenorm.residual, prenorm.weight, prenorm.eps, unit_offset=prenorm.unit_offset,
+                float32_weight=prenorm.float32_weight)
+            q, kv = linear_ops.project(normed, weights, biases)
+        elif prenorm is None:
             (q, kv), residual = linear_ops.project(x, weights, biases), None
         else:
             (q, kv), residual = prenorm.project(x, weights, biases)
         if s.q_lora_rank:
-            q = RMSNorm(LATENT_NORM_EPS, param_dtype=self.param_dtype, name="q_a_layernorm")(q)
+            q = q_resid = RMSNorm(LATENT_NORM_EPS, param_dtype=self.param_dtype, name="q_a_layernorm")(q)
             q = Linear(heads * qk_head, False, self.param_dtype, name="q_b_proj")(q)
         q = q.reshape(t, heads, qk_head)
         q_nope, q_rope = q[..., :s.qk_nope_head_dim], q[..., s.qk_nope_head_dim:]
@@ -93,6 +153,7 @@ class MultiHeadLatentAttention(nn.Module):
             rotate = apply_rotary_interleaved if s.rope_interleave else apply_rotary
             q_rope, k_rope = rotate(q_rope, *rotary), rotate(k_rope, *rotary)
         latent_cache = mla_ops.write_latent_cache(cache["latent"], latent, k_rope[:, 0], md.slot_mapping)
+        new_cache = {"latent": latent_cache}
 
         # kv_b's rows per head: [k_nope (W_UK) | v (W_UV)], each against the latent.
         kv_b, _ = LinearParams(heads * (s.qk_nope_head_dim + s.v_head_dim), False, self.param_dtype,
@@ -101,7 +162,17 @@ class MultiHeadLatentAttention(nn.Module):
         w_uk, w_uv = kv_b[:, :s.qk_nope_head_dim], kv_b[:, s.qk_nope_head_dim:]
         q_latent = jnp.einsum("thn,hnr->thr", q_nope, w_uk, preferred_element_type=jnp.float32).astype(q.dtype)
         scale = s.softmax_scale or qk_head ** -0.5
-        if md.decode:
+        if s.indexer is not None or s.shares_selection:
+            if s.indexer is not None:
+                slots, new_cache["index_keys"] = LightningIndexer(s.indexer, self.param_dtype, name="indexer")(
+                    normed, q_resid, cache["index_keys"], md, rotary)
+                across_layers[SELECTION] = slots
+            elif SELECTION not in across_layers:
+                raise ConfigError("a layer that shares the sparse-attention selection needs an indexer layer before it")
+            # Slots index every layer's cache alike: one page pool, one block table per sequence.
+            out = sparse_ops.sparse_mla_attention(q_latent, q_rope, latent_cache, across_layers[SELECTION],
+                                                  scale=scale)
+        elif md.decode:
             out = mla_ops.mla_paged_decode_attention(q_latent, q_rope, latent_cache, md.block_tables, md.seq_lens,
                                                      scale=scale)
         else:
@@ -109,4 +180,28 @@ class MultiHeadLatentAttention(nn.Module):
                                                      md.block_tables, md.seq_lens, scale=scale, valid=md.valid)
         values = jnp.einsum("thr,hvr->thv", out, w_uv, preferred_element_type=jnp.float32).astype(q.dtype)
         out = Linear(hidden, s.attention_bias, self.param_dtype, name="o_proj")(values.reshape(t, heads * s.v_head_dim))
-        return out, {"latent": latent_cache}, residual
+        return out, new_cache, residual
+
+
+class LightningIndexer(nn.Module):
+    """-> (each token's selected cache slots [T, top_k], the updated indexer key cache)."""
+
+    spec: Indexer
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, q_resid, cache, md: AttentionMetadata, rotary):
+        """``x``: the block's normed input; ``q_resid``: the normed q latent (HF's name)."""
+        s, t = self.spec, x.shape[0]
+        q = Linear(s.num_heads * s.head_dim, False, self.param_dtype, name="wq_b")(q_resid)
+        q = q.reshape(t, s.num_heads, s.head_dim)
+        k = LayerNorm(INDEXER_KEY_NORM_EPS, self.param_dtype, name="k_norm")(
+            Linear(s.head_dim, False, self.param_dtype, name="wk")(x))
+        if rotary is not None:
+            rotate = _rotate_interleaved_prefix if s.rope_interleave else apply_rotary
+            q, k = rotate(q, *rotary), rotate(k[:, None], *rotary)[:, 0]
+        weights = Linear(s.num_heads, False, jnp.float32, name="weights_proj")(x.astype(jnp.float32))
+        cache = sparse_ops.write_index_keys(cache, k, md.slot_mapping)
+        slots = sparse_ops.indexer_select(q, weights * s.num_heads ** -0.5, cache, md.positions, md.token_seq_ids,
+                                          md.block_tables, scale=s.head_dim ** -0.5, top_k=s.top_k)
+        return slots, cache

@@ -33,6 +33,24 @@ class RMSNorm(nn.Module):
         return normed if residual is None else (normed, summed)
 
 
+class LayerNorm(nn.Module):
+    """``torch.nn.LayerNorm`` with weight and bias (``<name>/weight``, ``<name>/bias``), computed in
+    float32 and returned in ``x``'s dtype."""
+
+    eps: float
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        bias = self.param("bias", nn.initializers.zeros, (x.shape[-1],), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        normed = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        return (normed * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
 class NormWeight(nn.Module):
     """An RMSNorm's weight alone (at ``<name>/weight`` as RMSNorm keeps it; initialised to ones, or to
     zeros for a ``unit_offset`` norm), for ops that apply the norm themselves."""

@@ -1,0 +1,57 @@
+"""DeepSeek sparse attention (DSA) ops: the indexer's key cache write, its top-k selection over the
+paged keys, and MLA attention over the selected latent rows.
+
+**The interface** (what block-level variants plug into): a *selection* is ``slots [T, K]`` int32,
+rows of the paged cache (``page * page_size + offset``) that token ``t`` attends to, -1 for none.
+``indexer_select`` makes one from the indexer's queries and the cached keys; ``sparse_mla_attention``
+consumes one and never looks at how it was made. A variant that selects whole 64- or 128-token
+blocks, or scores pooled keys, produces the slots of the blocks it picks (or of pooled rows in a
+side cache); a layer that shares the previous layer's selection passes the same slots on.
+
+Implementations (``jaxinfer.kernels.registry``): the plain-jnp reference (``reference.py``, dense
+over each token's sequence: the truth at small shapes); the query-tiled jnp path (``tiled.py``),
+which never holds a score or mask matrix over the whole step, wherever no kernel takes the call;
+and the Pallas (Triton lowering) kernels where Pallas runs: ``attention_pallas.py`` (each token over
+its selected rows, prefill and decode alike) and ``indexer_pallas.py`` (the indexer's scores over
+the paged keys, then XLA's top-k, in query tiles).
+"""
+
+from __future__ import annotations
+
+from jaxinfer.kernels.registry import Implementation, Op, where_pallas_runs
+from jaxinfer.kernels.sparse_mla import attention_pallas, indexer_pallas, reference, tiled
+
+
+def _any_call(target, *args, **options) -> bool:
+    return True
+
+
+write_index_keys_op = Op("sparse_mla.write_index_keys", reference.write_index_keys)
+indexer_select_op = Op("sparse_mla.indexer_select", reference.indexer_select, (
+    Implementation("triton", indexer_pallas.indexer_select, where_pallas_runs(indexer_pallas.supports)),
+    Implementation("tiled", tiled.indexer_select, _any_call, pallas=False),
+))
+sparse_mla_attention_op = Op("sparse_mla.sparse_mla_attention", reference.sparse_mla_attention, (
+    Implementation("triton", attention_pallas.sparse_mla_attention, where_pallas_runs(attention_pallas.supports)),
+    Implementation("tiled", tiled.sparse_mla_attention, _any_call, pallas=False),
+))
+
+
+def write_index_keys(cache, keys, slot_mapping):
+    """The step's indexer keys [T, D] into their rows of the side cache -> the cache."""
+    return write_index_keys_op(cache, keys, slot_mapping)
+
+
+def indexer_select(q, weights, index_cache, positions, token_seq_ids, block_tables, *, scale, top_k: int):
+    """Each token's ``top_k`` best cached keys of its sequence (up to its position) as cache slots
+    ``[T, top_k]``, best first, -1 for none; see the reference."""
+    return indexer_select_op(q, weights, index_cache, positions, token_seq_ids, block_tables, scale=scale,
+                             top_k=top_k)
+
+
+def sparse_mla_attention(q_latent, q_rope, latent_cache, slots, *, scale):
+    """Absorbed-form MLA over each token's selected latent rows -> [T, H, R]; see the reference."""
+    return sparse_mla_attention_op(q_latent, q_rope, latent_cache, slots, scale=scale)
+
+
+__all__ = ["indexer_select", "sparse_mla_attention", "write_index_keys"]

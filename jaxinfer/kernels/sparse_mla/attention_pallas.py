@@ -1,0 +1,122 @@
+"""Sparse MLA attention in Pallas (Triton lowering): each query token over its selected latent rows.
+
+``reference.sparse_mla_attention``, absorbed form, for prefill and decode alike: a query token's
+keys are the cache rows its selection lists (``slots [T, K]``, -1 for none), so the kernel never
+looks at a block table or a score matrix over the step. Grid ``(token, head block)``: a program
+takes ``block_heads`` heads of one token and walks its ``K`` slots ``block_keys`` at a time; each
+block is one flat gather of cache rows (the cache viewed as ``[pages * page_size, R + P]``), split
+into a ``[block_keys, R]`` latent tile and a ``[block_keys, P]`` rope tile, masked where the slot is
+-1. Scores are two tensor-core matmuls, the latent tile is also the value; the online softmax and
+the ``[heads, R]`` accumulator are float32. A token with no slot gives zeros.
+
+Tiles come from the MLA decode kernel's rule (``mla.decode_pallas.plan_blocking``, the same
+register and shared-memory budgets) with the selection's width as the key span and one split.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxinfer.kernels.mla import decode_pallas as mla_decode
+
+_MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
+_TUNING = ("block_heads", "block_keys", "num_warps", "num_stages")
+
+
+def _unsupported_reason(q_latent, q_rope, cache, slots, options) -> str | None:
+    unknown = sorted(set(options) - set(_TUNING))
+    if unknown:
+        return f"unknown options {unknown}"
+    reason = mla_decode._unsupported_reason(q_latent, q_rope, cache, {**options, "num_splits": 1})
+    if reason is not None:
+        return reason
+    if slots.ndim != 2 or slots.shape[0] != q_latent.shape[0] or not jnp.issubdtype(slots.dtype, jnp.integer):
+        return f"slots must be integer [T={q_latent.shape[0]}, K], not {slots.dtype}{slots.shape}"
+    return None
+
+
+def supports(q_latent, q_rope, cache, slots, *, scale=None, **options) -> bool:
+    """Whether the kernel takes the call: the MLA decode kernel's dtypes, power-of-two R and P and
+    budgets, and an integer ``[T, K]`` selection."""
+    return _unsupported_reason(q_latent, q_rope, cache, slots, options) is None
+
+
+def _kernel(q_latent_ref, q_rope_ref, cache_ref, slots_ref, out_ref, *, scale: float, block_keys: int,
+            num_blocks: int):
+    latent_dim = q_latent_ref.shape[-1]
+    rope_dim = q_rope_ref.shape[-1]
+    block_heads = q_latent_ref.shape[0]
+    q_latent = q_latent_ref[...]
+    q_rope = q_rope_ref[...]
+    latent_columns = lax.broadcasted_iota(jnp.int32, (1, latent_dim), 1)
+    rope_columns = latent_dim + lax.broadcasted_iota(jnp.int32, (1, rope_dim), 1)
+    dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
+
+    def attend(block, carry):
+        o, m, l = carry
+        slot = slots_ref[pl.ds(block * block_keys, block_keys)]
+        visible = slot >= 0
+        rows = jnp.maximum(slot, 0)[:, None]
+        latent = plgpu.load(cache_ref.at[rows, latent_columns], mask=visible[:, None], other=0.0)
+        k_rope = plgpu.load(cache_ref.at[rows, rope_columns], mask=visible[:, None], other=0.0)
+        s = (dot(q_latent, latent.T) + dot(q_rope, k_rope.T)) * scale  # [heads, keys]
+        s = jnp.where(visible[None, :], s, _MASK)
+        m_next = jnp.maximum(m, s.max(axis=-1))
+        correction = jnp.exp(m - m_next)
+        p = jnp.where(visible[None, :], jnp.exp(s - m_next[:, None]), 0.0)
+        return (o * correction[:, None] + dot(p.astype(latent.dtype), latent), m_next,
+                l * correction + p.sum(axis=-1))
+
+    init = (jnp.zeros((block_heads, latent_dim), jnp.float32), jnp.full((block_heads,), _MASK, jnp.float32),
+            jnp.zeros((block_heads,), jnp.float32))
+    o, _, l = lax.fori_loop(0, num_blocks, attend, init)
+    out_ref[...] = (o / jnp.where(l == 0, 1.0, l)[:, None]).astype(out_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret") + _TUNING)
+def sparse_mla_attention(q_latent, q_rope, cache, slots, *, scale, interpret=False, **tuning):
+    """q_latent [T, H, R], q_rope [T, H, P]; cache [pages, page_size, R + P]; slots [T, K] int (-1:
+    none) -> [T, H, R] in q_latent's dtype. ``tuning``: ``block_heads``, ``block_keys``,
+    ``num_warps``, ``num_stages`` (``plan_blocking``'s where absent). A call ``supports`` refuses
+    raises ValueError."""
+    reason = _unsupported_reason(q_latent, q_rope, cache, slots, tuning)
+    if reason is not None:
+        raise ValueError(f"sparse_mla_attention kernel: {reason}")
+    num_tokens, num_heads, latent_dim = q_latent.shape
+    rope_dim = q_rope.shape[-1]
+    num_pages, page_size, width = cache.shape
+    top_k = slots.shape[1]
+    plan = mla_decode.plan_blocking(num_tokens, num_heads, top_k, latent_dim, rope_dim,
+                                    jnp.dtype(cache.dtype).itemsize, num_splits=1, **tuning)
+    num_blocks = -(-top_k // plan.block_keys)
+    slots = jnp.pad(slots.astype(jnp.int32), ((0, 0), (0, num_blocks * plan.block_keys - top_k)),
+                    constant_values=-1)
+    head_blocks = -(-num_heads // plan.block_heads)
+    padded_heads = head_blocks * plan.block_heads
+    if padded_heads != num_heads:  # zero query rows: their outputs are dropped
+        pad = ((0, 0), (0, padded_heads - num_heads), (0, 0))
+        q_latent, q_rope = jnp.pad(q_latent, pad), jnp.pad(q_rope, pad)
+    heads = plan.block_heads
+    out = pl.pallas_call(
+        functools.partial(_kernel, scale=float(scale), block_keys=plan.block_keys, num_blocks=num_blocks),
+        grid=(num_tokens, head_blocks),
+        in_specs=[pl.BlockSpec((None, heads, latent_dim), lambda t, h: (t, h, 0)),
+                  pl.BlockSpec((None, heads, rope_dim), lambda t, h: (t, h, 0)),
+                  pl.BlockSpec((num_pages * page_size, width), lambda t, h: (0, 0)),  # the cache as rows
+                  pl.BlockSpec((None, slots.shape[1]), lambda t, h: (t, 0))],
+        out_specs=pl.BlockSpec((None, heads, latent_dim), lambda t, h: (t, h, 0)),
+        out_shape=jax.ShapeDtypeStruct((num_tokens, padded_heads, latent_dim), q_latent.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=plan.num_warps, num_stages=plan.num_stages),
+        interpret=interpret,
+        name="sparse_mla_attention",
+    )(q_latent, q_rope, cache.reshape(num_pages * page_size, width), slots)
+    return out[:, :num_heads]
+
+
+__all__ = ["sparse_mla_attention", "supports"]
