@@ -109,3 +109,42 @@ def assert_greedy_matches_hf(path, hf_model, prompts, max_tokens=16, max_num_seq
                                     do_sample=False, pad_token_id=0)
         assert out.token_ids == ref[0, len(prompt):].tolist()
         assert out.finish_reason == "length"
+
+
+def assert_logits_and_greedy_match_hf(path, hf_model):
+    """Full-forward float32 logits of a 40-token prompt within 1e-4 of HF's, and 16 greedy tokens of
+    two prompts (9 and 26 tokens, served together) equal to HF ``generate``'s."""
+    import numpy as np
+    import torch
+
+    from jaxinfer import load_model
+
+    ids = random_prompts([40], seed=1)[0]
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(load_model(path, dtype="float32").logits(ids), ref, atol=1e-4, rtol=0)
+    assert_greedy_matches_hf(path, hf_model, random_prompts([9, 26], seed=2), max_num_seqs=2)
+
+
+def assert_serving_is_consistent(path):
+    """Four prompts (3-40 tokens, greedy): batched == one at a time, chunked prefill (16-token steps)
+    == one-shot, and preemption under a 10-page pool gives the same tokens. -> the tight engine."""
+    from jaxinfer import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = random_prompts([3, 17, 40, 9], seed=5)
+    small = dict(dtype="float32", max_model_len=64, page_size=8, show_progress=False, warmup=False)
+    llm = LLM(path, max_num_seqs=4, max_num_batched_tokens=16, **small)  # 40 tokens: three chunks
+    alone = [llm.generate(prompt_token_ids=[p], sampling_params=greedy)[0].token_ids for p in prompts]
+    assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=greedy)] == alone
+    one_shot = LLM(path, max_num_seqs=4, max_num_batched_tokens=64, **small)
+    assert [o.token_ids for o in one_shot.generate(prompt_token_ids=prompts, sampling_params=greedy)] == alone
+    tight = LLM(path, max_num_seqs=4, max_num_batched_tokens=16, num_pages=10, **small)
+    engine = tight.engine
+    requests = [engine.make_request(p, greedy) for p in prompts]
+    for r in requests:
+        engine.add(r)
+    engine.run(requests)
+    assert any(r.num_preemptions for r in requests)
+    assert [r.output_token_ids for r in requests] == alone
+    return tight

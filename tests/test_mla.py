@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from jaxinfer import LLM, SamplingParams, load_model
-from tests.conftest import assert_greedy_matches_hf, random_prompts
+from jaxinfer import load_model
+from tests.conftest import (assert_greedy_matches_hf, assert_logits_and_greedy_match_hf,
+                            assert_serving_is_consistent, random_prompts)
 
 MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
            moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
@@ -29,12 +30,7 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_logits_and_greedy_tokens_match_hf(case, hf_checkpoint):
     family, overrides = CASES[case]
-    path, hf_model = hf_checkpoint(family, **{**MLA, **overrides})
-    ids = random_prompts([40], seed=1)[0]
-    with torch.no_grad():
-        ref = hf_model(torch.tensor([ids])).logits[0].numpy()
-    np.testing.assert_allclose(load_model(path, dtype="float32").logits(ids), ref, atol=1e-4, rtol=0)
-    assert_greedy_matches_hf(path, hf_model, random_prompts([9, 26], seed=2), max_num_seqs=2)
+    assert_logits_and_greedy_match_hf(*hf_checkpoint(family, **{**MLA, **overrides}))
 
 
 def test_mscale_changes_the_softmax_scale():
@@ -114,22 +110,5 @@ def mla_engine(hf_checkpoint):
     return path
 
 
-GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-
-
 def test_batched_chunked_and_preempted_equal_one_at_a_time(mla_engine):
-    prompts = random_prompts([3, 17, 40, 9], seed=5)
-    small = dict(dtype="float32", max_model_len=64, page_size=8, show_progress=False, warmup=False)
-    llm = LLM(mla_engine, max_num_seqs=4, max_num_batched_tokens=16, **small)  # 40 tokens: three chunks
-    alone = [llm.generate(prompt_token_ids=[p], sampling_params=GREEDY)[0].token_ids for p in prompts]
-    assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)] == alone
-    one_shot = LLM(mla_engine, max_num_seqs=4, max_num_batched_tokens=64, **small)
-    assert [o.token_ids for o in one_shot.generate(prompt_token_ids=prompts, sampling_params=GREEDY)] == alone
-    tight = LLM(mla_engine, max_num_seqs=4, max_num_batched_tokens=16, num_pages=10, **small)
-    engine = tight.engine
-    requests = [engine.make_request(p, GREEDY) for p in prompts]
-    for r in requests:
-        engine.add(r)
-    engine.run(requests)
-    assert any(r.num_preemptions for r in requests)
-    assert [r.output_token_ids for r in requests] == alone
+    assert_serving_is_consistent(mla_engine)

@@ -9,15 +9,12 @@ match HF.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-import torch
 
-from jaxinfer import load_model
 from jaxinfer.kernels import registry
 from jaxinfer.kernels.linear import reference as linear_reference
 from jaxinfer.kernels.linear import skinny_pallas
-from tests.conftest import assert_greedy_matches_hf, random_prompts
+from tests.conftest import assert_logits_and_greedy_match_hf
 from tests.test_moe import CASES as MOE_CASES
 from tests.test_moe import MOE
 
@@ -54,12 +51,7 @@ MOE_FAMILIES = {family for family, _ in MOE_CASES.values()}
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_kernels_match_hf(case, hf_checkpoint, interpreted_kernels):
     family, overrides = CASES[case]
-    path, hf_model = hf_checkpoint(family, **overrides)
-    ids = random_prompts([40], seed=1)[0]
-    with torch.no_grad():
-        ref = hf_model(torch.tensor([ids])).logits[0].numpy()
-    np.testing.assert_allclose(load_model(path, dtype="float32").logits(ids), ref, atol=1e-4, rtol=0)
-    assert_greedy_matches_hf(path, hf_model, random_prompts([9, 26], seed=2), max_num_seqs=2)
+    assert_logits_and_greedy_match_hf(*hf_checkpoint(family, **overrides))
     expected = dict(KERNEL_OPS, **(MOE_KERNEL_OPS if family in MOE_FAMILIES else {}))
     assert {op: interpreted_kernels.get(op) for op in expected} == expected
     assert interpreted_kernels["linear.project"] == {"variant"}

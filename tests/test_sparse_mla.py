@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from jaxinfer import LLM, SamplingParams, load_model
+from jaxinfer import load_model
 from jaxinfer.kernels import registry
 from jaxinfer.kernels import sparse_mla as sparse_ops
 from jaxinfer.kernels.sparse_mla import attention_pallas, indexer_pallas, reference, tiled
-from tests.conftest import assert_greedy_matches_hf, random_prompts
+from tests.conftest import assert_logits_and_greedy_match_hf, assert_serving_is_consistent, random_prompts
 
 # 16 indexer heads (with few, ReLU zeroes many scores and ties decide); index_topk below the prompts.
 V32 = dict(num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
@@ -39,12 +39,7 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_logits_and_greedy_tokens_match_hf(case, hf_checkpoint):
     family, overrides = CASES[case]
-    path, hf_model = hf_checkpoint(family, **overrides)
-    ids = random_prompts([40], seed=1)[0]
-    with torch.no_grad():
-        ref = hf_model(torch.tensor([ids])).logits[0].numpy()
-    np.testing.assert_allclose(load_model(path, dtype="float32").logits(ids), ref, atol=1e-4, rtol=0)
-    assert_greedy_matches_hf(path, hf_model, random_prompts([9, 26], seed=2), max_num_seqs=2)
+    assert_logits_and_greedy_match_hf(*hf_checkpoint(family, **overrides))
 
 
 @pytest.mark.parametrize("family, overrides", [("deepseek_v32", V32), ("glm_moe_dsa", GLM5)])
@@ -99,26 +94,9 @@ def test_the_selections_are_hfs(family, overrides, hf_checkpoint):
                 assert len(ours) == min(p + 1, indexer.index_topk)  # selection really prunes past 8 keys
 
 
-GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-
-
 def test_batched_chunked_and_preempted_equal_one_at_a_time(hf_checkpoint):
     path, _ = hf_checkpoint("deepseek_v32", **V32)
-    prompts = random_prompts([3, 17, 40, 9], seed=5)
-    small = dict(dtype="float32", max_model_len=64, page_size=8, show_progress=False, warmup=False)
-    llm = LLM(path, max_num_seqs=4, max_num_batched_tokens=16, **small)  # 40 tokens: three chunks
-    alone = [llm.generate(prompt_token_ids=[p], sampling_params=GREEDY)[0].token_ids for p in prompts]
-    assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)] == alone
-    one_shot = LLM(path, max_num_seqs=4, max_num_batched_tokens=64, **small)
-    assert [o.token_ids for o in one_shot.generate(prompt_token_ids=prompts, sampling_params=GREEDY)] == alone
-    tight = LLM(path, max_num_seqs=4, max_num_batched_tokens=16, num_pages=10, **small)
-    engine = tight.engine
-    requests = [engine.make_request(p, GREEDY) for p in prompts]
-    for r in requests:
-        engine.add(r)
-    engine.run(requests)
-    assert any(r.num_preemptions for r in requests)
-    assert [r.output_token_ids for r in requests] == alone
+    tight = assert_serving_is_consistent(path)
     # A page of 8 tokens over 2 layers, float32: each token's latent + rope row and its indexer key.
     assert tight.engine.layout.bytes_per_page == 8 * 2 * ((16 + 8) + 16) * 4
 
@@ -308,3 +286,21 @@ def test_a_long_prompt_prefill_program_stays_far_below_dense_scores(tmp_path):
     temp = compiled.memory_analysis().temp_size_in_bytes
     dense_attention_scores = 16 * t * t * 4
     assert temp < 8 * 2 ** 30 < dense_attention_scores, temp
+
+
+@pytest.mark.parametrize("family, overrides, message", [
+    ("deepseek_v32", dict(q_lora_rank=None), "q_lora_rank"),
+    ("deepseek_v32", dict(index_head_dim=4), r"index_head_dim \(4\) must be at least qk_rope_head_dim \(8\)"),
+    ("deepseek_v32", dict(mlp_layer_types=["dense", "moe"]), "mlp_layer_types"),  # transformers' own check
+    ("glm_moe_dsa", dict(indexer_types=["shared", "full"]), "the first layer must be 'full'"),
+    ("glm_moe_dsa", dict(indexer_types=["full"]), "indexer_types must list 'full' or 'shared' for each of the 2"),
+])
+def test_bad_sparse_attention_configs_are_specific_errors(family, overrides, message):
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.errors import ConfigError
+    from jaxinfer.registry import ModelRegistry
+    from jaxinfer.tiny import tiny_config
+
+    with pytest.raises(ConfigError, match=message):
+        config = ModelConfig.from_dict({**tiny_config(family), **overrides})  # (None kept: an explicit null)
+        ModelRegistry.resolve(config.architecture).validate_config(config)

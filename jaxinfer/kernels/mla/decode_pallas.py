@@ -49,7 +49,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.kernels import pdl
 
-_MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
+MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # a finite -inf: no NaN from exp(m - m) on empty rows
 _DEFAULT_SMS = 132  # H100/H200, where the device does not say (interpret mode, lowering checks on CPU)
 _MIN_TILE = 16  # the tensor cores' smallest matmul edge (M, N and K of tl.dot)
 _MAX_BLOCK_KEYS = 128
@@ -192,40 +192,44 @@ def supports(q_latent, q_rope, cache, **options) -> bool:
     return _unsupported_reason(q_latent, q_rope, cache, options) is None
 
 
+def attend_rows(carry, q_latent, q_rope, cache_ref, rows, visible, *, scale: float):
+    """The online-softmax update ``(o, m, l)`` by one gathered block of latent cache rows: ``rows``
+    [keys, 1] index the cache viewed as ``[rows, R + P]``, ``visible`` [keys] masks the block (those
+    rows are neither read nor counted). q_latent [heads, R], q_rope [heads, P]; float32 state."""
+    o, m, l = carry
+    latent_dim, rope_dim = q_latent.shape[-1], q_rope.shape[-1]
+    latent_columns = lax.broadcasted_iota(jnp.int32, (1, latent_dim), 1)
+    rope_columns = latent_dim + lax.broadcasted_iota(jnp.int32, (1, rope_dim), 1)
+    dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
+    latent = plgpu.load(cache_ref.at[rows, latent_columns], mask=visible[:, None], other=0.0)
+    k_rope = plgpu.load(cache_ref.at[rows, rope_columns], mask=visible[:, None], other=0.0)
+    s = (dot(q_latent, latent.T) + dot(q_rope, k_rope.T)) * scale  # [heads, keys]
+    s = jnp.where(visible[None, :], s, MASK)
+    m_next = jnp.maximum(m, s.max(axis=-1))
+    correction = jnp.exp(m - m_next)
+    p = jnp.where(visible[None, :], jnp.exp(s - m_next[:, None]), 0.0)
+    return o * correction[:, None] + dot(p.astype(latent.dtype), latent), m_next, l * correction + p.sum(axis=-1)
+
+
 def _split_kernel(q_latent_ref, q_rope_ref, cache_ref, block_table_ref, seq_len_ref, *out_refs, scale: float,
                   page_size: int, block_keys: int, blocks_per_split: int, tokens_per_seq: int, final: bool):
     """One (sequence, head block, split): the online softmax over the split's key blocks. ``final``
     (one split): normalise and write the output; else write the partial ``o``, ``m``, ``l``."""
     latent_dim = q_latent_ref.shape[-1]
-    rope_dim = q_rope_ref.shape[-1]
     block_heads = q_latent_ref.shape[0]
     split = pl.program_id(2)
     length = jnp.minimum(seq_len_ref[0], tokens_per_seq)  # keys past the block table do not exist
     q_latent = q_latent_ref[...]
     q_rope = q_rope_ref[...]
-    latent_columns = lax.broadcasted_iota(jnp.int32, (1, latent_dim), 1)
-    rope_columns = latent_dim + lax.broadcasted_iota(jnp.int32, (1, rope_dim), 1)
-    dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
 
     def attend(block, carry):
-        """The online-softmax update by key block ``block``; keys past the length are neither read
-        nor counted (a block with none visible changes nothing)."""
-        o, m, l = carry
+        """Key block ``block``; keys past the length are neither read nor counted (a block with none
+        visible changes nothing)."""
         position = block * block_keys + lax.broadcasted_iota(jnp.int32, (block_keys,), 0)
-        visible = position < length
         rows = (block_table_ref[position // page_size] * page_size + position % page_size)[:, None]
-        latent = plgpu.load(cache_ref.at[rows, latent_columns], mask=visible[:, None], other=0.0)
-        k_rope = plgpu.load(cache_ref.at[rows, rope_columns], mask=visible[:, None], other=0.0)
-        s = (dot(q_latent, latent.T) + dot(q_rope, k_rope.T)) * scale  # [heads, keys]
-        s = jnp.where(visible[None, :], s, _MASK)
-        m_next = jnp.maximum(m, s.max(axis=-1))
-        correction = jnp.exp(m - m_next)
-        p = jnp.where(visible[None, :], jnp.exp(s - m_next[:, None]), 0.0)
-        l_next = l * correction + p.sum(axis=-1)
-        o_next = o * correction[:, None] + dot(p.astype(latent.dtype), latent)
-        return o_next, m_next, l_next
+        return attend_rows(carry, q_latent, q_rope, cache_ref, rows, position < length, scale=scale)
 
-    init = (jnp.zeros((block_heads, latent_dim), jnp.float32), jnp.full((block_heads,), _MASK, jnp.float32),
+    init = (jnp.zeros((block_heads, latent_dim), jnp.float32), jnp.full((block_heads,), MASK, jnp.float32),
             jnp.zeros((block_heads,), jnp.float32))
     first = split * blocks_per_split
     if blocks_per_split == 1:  # no loop: the block-table and length reads are issued together

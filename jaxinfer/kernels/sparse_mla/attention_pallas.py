@@ -25,7 +25,6 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.kernels.mla import decode_pallas as mla_decode
 
-_MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
 _TUNING = ("block_heads", "block_keys", "num_warps", "num_stages")
 
 
@@ -50,30 +49,16 @@ def supports(q_latent, q_rope, cache, slots, *, scale=None, **options) -> bool:
 def _kernel(q_latent_ref, q_rope_ref, cache_ref, slots_ref, out_ref, *, scale: float, block_keys: int,
             num_blocks: int):
     latent_dim = q_latent_ref.shape[-1]
-    rope_dim = q_rope_ref.shape[-1]
     block_heads = q_latent_ref.shape[0]
     q_latent = q_latent_ref[...]
     q_rope = q_rope_ref[...]
-    latent_columns = lax.broadcasted_iota(jnp.int32, (1, latent_dim), 1)
-    rope_columns = latent_dim + lax.broadcasted_iota(jnp.int32, (1, rope_dim), 1)
-    dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
 
     def attend(block, carry):
-        o, m, l = carry
         slot = slots_ref[pl.ds(block * block_keys, block_keys)]
-        visible = slot >= 0
-        rows = jnp.maximum(slot, 0)[:, None]
-        latent = plgpu.load(cache_ref.at[rows, latent_columns], mask=visible[:, None], other=0.0)
-        k_rope = plgpu.load(cache_ref.at[rows, rope_columns], mask=visible[:, None], other=0.0)
-        s = (dot(q_latent, latent.T) + dot(q_rope, k_rope.T)) * scale  # [heads, keys]
-        s = jnp.where(visible[None, :], s, _MASK)
-        m_next = jnp.maximum(m, s.max(axis=-1))
-        correction = jnp.exp(m - m_next)
-        p = jnp.where(visible[None, :], jnp.exp(s - m_next[:, None]), 0.0)
-        return (o * correction[:, None] + dot(p.astype(latent.dtype), latent), m_next,
-                l * correction + p.sum(axis=-1))
+        return mla_decode.attend_rows(carry, q_latent, q_rope, cache_ref, jnp.maximum(slot, 0)[:, None], slot >= 0,
+                                      scale=scale)
 
-    init = (jnp.zeros((block_heads, latent_dim), jnp.float32), jnp.full((block_heads,), _MASK, jnp.float32),
+    init = (jnp.zeros((block_heads, latent_dim), jnp.float32), jnp.full((block_heads,), mla_decode.MASK, jnp.float32),
             jnp.zeros((block_heads,), jnp.float32))
     o, _, l = lax.fori_loop(0, num_blocks, attend, init)
     out_ref[...] = (o / jnp.where(l == 0, 1.0, l)[:, None]).astype(out_ref.dtype)
