@@ -95,6 +95,10 @@ def _parse_ids(text: str) -> list[int]:
         raise InvalidRequestError(f"--prompt-ids takes comma-separated integers, got {text!r}") from None
 
 
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 1024:.1f} KiB" if num_bytes < 2**20 else f"{num_bytes / 2**20:.2f} MiB"
+
+
 def cmd_info(args) -> int:
     from jaxinfer.cache.layout import CacheLayout
     from jaxinfer.engine import memory
@@ -123,8 +127,11 @@ def cmd_info(args) -> int:
     print("cache:           per kind, over all layers:")
     for kind, (per_token, per_sequence) in sorted(layout.bytes_by_kind().items()):
         layers = sum(1 for layer in specs if any(spec.kind == kind for spec in layer))
-        cost = f"{per_token / 1024:.1f} KiB per token" if per_token else f"{per_sequence / 2**20:.2f} MiB per sequence"
+        cost = f"{per_token / 1024:.1f} KiB per token" if per_token else f"{_size(per_sequence)} per sequence"
         print(f"  {kind:<12} {layers:>3} layers, {cost}")
+    if CacheLayout.needs_slots(specs):
+        print("                 per-sequence state cannot resume from a shared prefix: prefix caching is off "
+              "for this model")
     sequence_bytes = layout.bytes_per_page * engine.max_pages_per_seq + layout.bytes_per_slot
     print(f"                 one sequence of {engine.max_model_len} tokens needs {sequence_bytes / 2**20:.1f} MiB")
     available = memory.available_bytes()

@@ -284,6 +284,11 @@ class ModelConfig:
             )
         text = hf.get_text_config()
         raw = text.to_dict()
+        # ``to_dict`` writes an ``attribute_map`` alias under its target's name (Kimi-Linear stores
+        # ``max_position_embeddings`` as ``model_max_length``); the alias reads the same, as in HF.
+        for alias, target in getattr(type(text), "attribute_map", {}).items():
+            if raw.get(alias) is None and raw.get(target) is not None:
+                raw[alias] = raw[target]
         sizes = {key: checks.integer(raw.get(key), key, ge=1)
                  for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                              "max_position_embeddings")}

@@ -15,6 +15,8 @@ from jaxinfer.errors import UnsupportedArchitectureError
 
 _DENSE = "jaxinfer.models.dense:DenseDecoderForCausalLM"
 _DEEPSEEK_V3 = "jaxinfer.models.deepseek_v3:DeepseekV3ForCausalLM"
+_QWEN3_5 = "jaxinfer.models.qwen3_next:Qwen3_5ForCausalLM"
+_QWEN3_5_MOE = "jaxinfer.models.qwen3_next:Qwen3_5MoeForCausalLM"
 _BUILTIN_MODELS: dict[str, str] = {
     "LlamaForCausalLM": _DENSE,
     "MistralForCausalLM": _DENSE,
@@ -22,6 +24,7 @@ _BUILTIN_MODELS: dict[str, str] = {
     "Qwen3ForCausalLM": _DENSE,
     "Qwen3MoeForCausalLM": "jaxinfer.models.qwen3_moe:Qwen3MoeForCausalLM",
     "MiniMaxM2ForCausalLM": "jaxinfer.models.minimax_m2:MiniMaxM2ForCausalLM",
+    "MiniMaxForCausalLM": "jaxinfer.models.minimax:MiniMaxForCausalLM",
     "GptOssForCausalLM": "jaxinfer.models.gpt_oss:GptOssForCausalLM",
     "Gemma3ForCausalLM": "jaxinfer.models.gemma3:Gemma3ForCausalLM",
     "DeepseekV3ForCausalLM": _DEEPSEEK_V3,
@@ -29,6 +32,12 @@ _BUILTIN_MODELS: dict[str, str] = {
     "Kimi_K25ForConditionalGeneration": _DEEPSEEK_V3,  # its text model (text_config) is DeepSeek-V3
     "DeepseekV32ForCausalLM": "jaxinfer.models.deepseek_v32:DeepseekV32ForCausalLM",
     "GlmMoeDsaForCausalLM": "jaxinfer.models.glm_moe_dsa:GlmMoeDsaForCausalLM",
+    "KimiLinearForCausalLM": "jaxinfer.models.kimi_linear:KimiLinearForCausalLM",
+    "Qwen3NextForCausalLM": "jaxinfer.models.qwen3_next:Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM": _QWEN3_5,
+    "Qwen3_5ForConditionalGeneration": _QWEN3_5,  # its text model (text_config)
+    "Qwen3_5MoeForCausalLM": _QWEN3_5_MOE,
+    "Qwen3_5MoeForConditionalGeneration": _QWEN3_5_MOE,
 }
 
 

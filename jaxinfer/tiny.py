@@ -33,6 +33,13 @@ _COMMON = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
 )
 
+# Three gated DeltaNet layers and one gated full-attention layer (Qwen3-Next, Qwen3.5).
+_GATED_DELTANET = dict(
+    num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+)
+
 TINY_FAMILIES: dict[str, dict] = {
     "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False, mlp_bias=False),
     "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=32),
@@ -61,9 +68,26 @@ TINY_FAMILIES: dict[str, dict] = {
                         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
                         first_k_dense_replace=1, routed_scaling_factor=2.5, index_n_heads=16, index_head_dim=16,
                         index_topk=8, indexer_types=["full", "shared"], head_dim=None),
+    "qwen3_next": dict(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", **_GATED_DELTANET,
+                       num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[]),
+    "qwen3_5": dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", **_GATED_DELTANET),
+    "qwen3_5_moe": dict(architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text", **_GATED_DELTANET,
+                        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=32),
     "gemma3": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", sliding_window=16, head_dim=16,
                    layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16,
                    tie_word_embeddings=True, rope_parameters=None),
+    # Lightning attention then softmax attention; HF's block-wise prefill in blocks of 16.
+    "minimax": dict(architectures=["MiniMaxForCausalLM"], model_type="minimax", num_local_experts=8,
+                    num_experts_per_tok=2, layer_types=["linear_attention", "full_attention"], block_size=16),
+    # Three KDA layers then a NoPE MLA layer (1-indexed, as hub configs list them); the first layer dense.
+    "kimi_linear": dict(architectures=["KimiLinearForCausalLM"], model_type="kimi_linear", num_key_value_heads=4,
+                        head_dim=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                        num_experts=8, num_experts_per_token=2, moe_intermediate_size=32, num_shared_experts=1,
+                        first_k_dense_replace=1, routed_scaling_factor=2.446,
+                        linear_attn_config=dict(kda_layers=[1, 2, 3], full_attn_layers=[4], num_heads=2, head_dim=16,
+                                                short_conv_kernel_size=4), num_hidden_layers=4),
 }
 
 

@@ -47,6 +47,11 @@ def make_hf_checkpoint(path, family: str, seed: int = 0, **overrides):
         "glm_moe_dsa": (transformers.GlmMoeDsaConfig, transformers.GlmMoeDsaForCausalLM),
         "sarvam_mla": (transformers.SarvamMLAConfig, transformers.DeepseekV3ForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
+        "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
+        "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
+        "kimi_linear": (transformers.KimiLinearConfig, transformers.KimiLinearForCausalLM),
+        "minimax": (transformers.MiniMaxConfig, transformers.MiniMaxForCausalLM),
     }
     config_cls, model_cls = classes[family]
     config = config_cls(**{**TINY, **overrides})
@@ -93,10 +98,21 @@ def random_prompts(lengths, vocab_size=160, seed=0):
     return [rng.randint(3, vocab_size, size=n).tolist() for n in lengths]
 
 
-def assert_greedy_matches_hf(path, hf_model, prompts, max_tokens=16, max_num_seqs=4):
-    """Greedy tokens from our engine (float32, small buckets) equal HF ``generate``'s, prompt by prompt."""
+def hf_greedy(hf_model, prompt, max_tokens=16):
+    """HF ``generate``'s greedy continuation of ``prompt``, exactly ``max_tokens`` long. No EOS id is
+    given: ``min_new_tokens`` would otherwise mask EOS out of the argmax, which our ``ignore_eos``
+    does not do."""
     import torch
 
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
+                                eos_token_id=None)
+    assert out.shape[1] == len(prompt) + max_tokens
+    return out[0, len(prompt):].tolist()
+
+
+def assert_greedy_matches_hf(path, hf_model, prompts, max_tokens=16, max_num_seqs=4):
+    """Greedy tokens from our engine (float32, small buckets) equal HF ``generate``'s, prompt by prompt."""
     from jaxinfer import LLM, SamplingParams
 
     llm = LLM(path, dtype="float32", max_model_len=64, max_num_seqs=max_num_seqs, max_num_batched_tokens=32,
@@ -104,10 +120,7 @@ def assert_greedy_matches_hf(path, hf_model, prompts, max_tokens=16, max_num_seq
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens,
                                                                                  ignore_eos=True))
     for prompt, out in zip(prompts, outs):
-        with torch.no_grad():
-            ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                    do_sample=False, pad_token_id=0)
-        assert out.token_ids == ref[0, len(prompt):].tolist()
+        assert out.token_ids == hf_greedy(hf_model, prompt, max_tokens)
         assert out.finish_reason == "length"
 
 

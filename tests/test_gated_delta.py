@@ -88,3 +88,22 @@ def test_the_op_defaults_to_the_chunked_form():
     with registry.recording() as chosen:
         gated_delta.gated_delta_rule(*_packed([5, 9]))
     assert chosen == {"gated_delta.gated_delta_rule": {"chunked"}}
+
+
+def test_the_slot_pool_update_reads_and_writes_only_its_slots():
+    rng = np.random.RandomState(4)
+    heads, dk, dv = 2, 8, 4
+    pool = jnp.asarray(rng.randn(5, heads, dk, dv), jnp.float32)
+    slots = jnp.asarray([3, -1, 0], jnp.int32)
+    q, k = (jnp.asarray(_l2(rng.randn(3, heads, dk)), jnp.float32) for _ in range(2))
+    v = jnp.asarray(rng.randn(3, heads, dv), jnp.float32)
+    g = jnp.asarray(-np.abs(rng.randn(3, heads)), jnp.float32)
+    beta = jnp.asarray(rng.rand(3, heads), jnp.float32)
+    out, new_pool = gated_delta.recurrent_update(pool, slots, q, k, v, g, beta)
+    for row, slot in ((0, 3), (2, 0)):
+        want_out, want_state = gated_delta.recurrent_step(pool[slot], q[row], k[row], v[row], g[row], beta[row])
+        np.testing.assert_allclose(np.asarray(out[row]), np.asarray(want_out), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(new_pool[slot]), np.asarray(want_state), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(out[1]), 0.0)
+    for slot in (1, 2, 4):  # untouched
+        np.testing.assert_array_equal(np.asarray(new_pool[slot]), np.asarray(pool[slot]))

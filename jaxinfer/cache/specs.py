@@ -98,11 +98,13 @@ class PagedSide(CacheSpec):
 
 @dataclasses.dataclass(frozen=True)
 class StateSlots(CacheSpec):
-    """``states``: (name, per-sequence shape, dtype) triples; recurrent state is usually float32."""
+    """``states``: (name, per-sequence shape, dtype) triples, dtype None for the cache dtype (a conv
+    state of recent inputs); recurrent state is float32."""
 
-    states: tuple[tuple[str, tuple[int, ...], str], ...]
+    states: tuple[tuple[str, tuple[int, ...], str | None], ...]
 
     paged = False
 
     def arrays(self, sizes):
-        return {name: ((sizes.num_slots, *shape), np.dtype(dtype), P()) for name, shape, dtype in self.states}
+        return {name: ((sizes.num_slots, *shape), np.dtype(dtype) if dtype else None, P())
+                for name, shape, dtype in self.states}

@@ -1,9 +1,10 @@
 """The decoder-only transformer every family composes: embeddings, layers, final norm, LM head.
 
-A layer is three choices (``LayerSpec``): a **mixer** (GQA attention, MLA, ...; each in its own file
-under ``models/layers/``, declaring the cache it keeps), a **feed-forward** (a gated MLP or an MoE
-block), and a **residual scheme** (``PreNorm``: HF's ``x + f(norm(x))``, whose add + norm fuses with
-the projections after it; ``Sandwich``: the sublayer's output normalised again before the add).
+A layer is three choices (``LayerSpec``): a **mixer** (GQA attention, MLA, gated DeltaNet, ...; each
+in its own file under ``models/layers/``, declaring the cache it keeps), a **feed-forward** (a gated
+MLP or an MoE block), and a **residual scheme** (``PreNorm``: HF's ``x + f(norm(x))``, whose add +
+norm fuses with the projections after it; ``Sandwich``: the sublayer's output normalised again before
+the add; ``ScaledNormed``: the normed stream as the residual, both branches scaled).
 A family describes itself with a ``DecoderSpec`` built from its config; ``DecoderForCausalLM`` does
 the rest. Families subclass it and implement ``spec``, plus ``checkpoint_sources`` where their
 checkpoint layout differs from the parameter tree.
@@ -60,10 +61,22 @@ class SandwichResidual:
 
 
 @dataclasses.dataclass(frozen=True)
+class ScaledNormedResidual:
+    """MiniMax-Text-01's: the residual is the *normed* stream and both branches are scaled,
+    ``n = input_layernorm(x)``, ``h = mixer_alpha * n + mixer_beta * mixer(n)``,
+    ``m = post_attention_layernorm(h)``, ``out = ffn_alpha * m + ffn_beta * ffn(m)``."""
+
+    mixer_alpha: float
+    mixer_beta: float
+    ffn_alpha: float
+    ffn_beta: float
+
+
+@dataclasses.dataclass(frozen=True)
 class LayerSpec:
     mixer: Any  # a mixer spec (GQA, MLA, ...): validate, cache_specs, rotary (or None) and module, of the config
     ffn: DenseMLP | MoESpec = DenseMLP()
-    residual: PreNormResidual | SandwichResidual = PreNormResidual()
+    residual: PreNormResidual | SandwichResidual | ScaledNormedResidual = PreNormResidual()
     ffn_name: str = "mlp"  # the MLP / MoE block's module name in the checkpoint
 
 
@@ -138,6 +151,8 @@ class DecoderLayer(nn.Module):
             mixer = functools.partial(mixer, across_layers=across_layers)
         if isinstance(self.spec.residual, SandwichResidual):
             return self._sandwich(mixer, x, residual, cache, md, rotary)
+        if isinstance(self.spec.residual, ScaledNormedResidual):
+            return self._scaled_normed(mixer, x, residual, cache, md, rotary)
         return self._pre_norm_block(mixer, x, residual, cache, md, rotary)
 
     def _pre_norm_block(self, mixer, x, residual, cache, md, rotary):
@@ -159,17 +174,29 @@ class DecoderLayer(nn.Module):
         return moe(h), residual, cache
 
     def _sandwich(self, mixer, x, residual, cache, md, rotary):
-        c, spec = self.config, self.spec
         if residual is not None:  # the previous layer handed its stream over unsummed
             x = x + residual
         attn_out, cache, _ = mixer(self._rms_norm("input_layernorm")(x), cache, md, rotary)
         h = x + self._rms_norm("post_attention_layernorm")(attn_out)
-        ffn_in = self._rms_norm("pre_feedforward_layernorm")(h)
-        if isinstance(spec.ffn, DenseMLP):
-            ffn_out, _ = self._dense_mlp(ffn_in)
-        else:
-            ffn_out = SparseMoE(spec.ffn, c.hidden_act, self.param_dtype, name=spec.ffn_name)(ffn_in)
+        ffn_out = self._ffn(self._rms_norm("pre_feedforward_layernorm")(h))
         return h + self._rms_norm("post_feedforward_layernorm")(ffn_out), None, cache
+
+
+    def _ffn(self, x):
+        """The feed-forward of normalised rows (no fused norm)."""
+        c, spec = self.config, self.spec
+        if isinstance(spec.ffn, DenseMLP):
+            return self._dense_mlp(x)[0]
+        return SparseMoE(spec.ffn, c.hidden_act, self.param_dtype, name=spec.ffn_name)(x)
+
+    def _scaled_normed(self, mixer, x, residual, cache, md, rotary):
+        scale = self.spec.residual
+        if residual is not None:  # the previous layer handed its stream over unsummed
+            x = x + residual
+        normed = self._rms_norm("input_layernorm")(x)
+        mixer_out, cache, _ = mixer(normed, cache, md, rotary)
+        h = self._rms_norm("post_attention_layernorm")(normed * scale.mixer_alpha + mixer_out * scale.mixer_beta)
+        return h * scale.ffn_alpha + self._ffn(h) * scale.ffn_beta, None, cache
 
 
 class DecoderModel(nn.Module):

@@ -1,16 +1,21 @@
 """Gated delta rule ops (gated DeltaNet: Qwen3-Next, Qwen3.5), over packed sequences with state.
 
 ``gated_delta_rule`` runs a step's new tokens of several sequences (``cu_seqlens``) from their
-initial states and returns the outputs and final states; ``recurrent_step`` advances one token per
-sequence (decode). Implementations (``jaxinfer.kernels.registry``): the token-by-token recurrence
-(``reference.py``, the truth) and the chunked WY form (``chunked.py``, chunks of 64), the default
-everywhere. q and k come L2-normalised, q scaled by ``Dk ** -0.5``; states are float32.
+initial states and returns the outputs and final states; ``recurrent_update`` advances one token per
+sequence (decode), its state read from and written back to a pool of state slots; ``recurrent_step``
+is one token of one sequence. Implementations (``jaxinfer.kernels.registry``): the token-by-token recurrence
+(``reference.py``, the truth); the chunked WY form (``chunked.py``, chunks of 64), wherever no kernel
+takes the call; and where Pallas runs, the Pallas (Triton lowering) kernels: ``chunked_pallas.py``
+(the chunked form in three kernels: within each chunk, the state pass over each sequence's chunks,
+the outputs) and ``recurrent_pallas.py`` (the decode step over the slot pool, in place). The kernels
+also take a gate per key channel (``g [.., H, Dk]``, as KDA). q and k come L2-normalised, q scaled
+by ``Dk ** -0.5``; states are float32.
 """
 
 from __future__ import annotations
 
-from jaxinfer.kernels.gated_delta import chunked, reference
-from jaxinfer.kernels.registry import Implementation, Op
+from jaxinfer.kernels.gated_delta import chunked, chunked_pallas, recurrent_pallas, reference
+from jaxinfer.kernels.registry import Implementation, Op, where_pallas_runs
 
 
 def _any_call(target, *args, **options) -> bool:
@@ -18,9 +23,12 @@ def _any_call(target, *args, **options) -> bool:
 
 
 gated_delta_rule_op = Op("gated_delta.gated_delta_rule", reference.gated_delta_rule, (
+    Implementation("triton", chunked_pallas.gated_delta_rule, where_pallas_runs(chunked_pallas.supports)),
     Implementation("chunked", chunked.gated_delta_rule, _any_call, pallas=False),
 ))
-recurrent_step_op = Op("gated_delta.recurrent_step", reference.recurrent_step)
+recurrent_update_op = Op("gated_delta.recurrent_update", reference.recurrent_update, (
+    Implementation("triton", recurrent_pallas.recurrent_update, where_pallas_runs(recurrent_pallas.supports)),
+))
 
 
 def gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state):
@@ -31,7 +39,13 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state):
 
 def recurrent_step(state, q, k, v, g, beta):
     """One token per head: state [H, Dk, Dv], q/k [H, Dk], v [H, Dv], g/beta [H] -> (output, state)."""
-    return recurrent_step_op(state, q, k, v, g, beta)
+    return reference.recurrent_step(state, q, k, v, g, beta)
 
 
-__all__ = ["gated_delta_rule", "recurrent_step"]
+def recurrent_update(state_pool, slots, q, k, v, g, beta):
+    """One decode token per sequence: state_pool [N, H, Dk, Dv], slots [S] (-1: padding), q/k
+    [S, H, Dk], v [S, H, Dv], g/beta [S, H] -> (outputs [S, H, Dv], the updated pool)."""
+    return recurrent_update_op(state_pool, slots, q, k, v, g, beta)
+
+
+__all__ = ["gated_delta_rule", "recurrent_step", "recurrent_update"]

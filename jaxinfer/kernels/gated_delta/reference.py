@@ -28,6 +28,19 @@ def recurrent_step(state, q, k, v, g, beta):
     return jnp.einsum("hkv,hk->hv", state, q), state
 
 
+def recurrent_update(state_pool, slots, q, k, v, g, beta):
+    """One decode token per sequence, its state read from and written back to a slot pool:
+    state_pool [N, H, Dk, Dv] float32, slots [S] int32 (-1: a padding row, nothing read or written),
+    q/k [S, H, Dk], v [S, H, Dv], g/beta [S, H] -> (outputs [S, H, Dv] float32, the pool)."""
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    states = state_pool[jnp.maximum(slots, 0)]
+    out, states = jax.vmap(recurrent_step)(states, f32(q), f32(k), f32(v), f32(g), f32(beta))
+    keep = slots >= 0
+    target = jnp.where(keep, slots, state_pool.shape[0])  # out of range: dropped
+    state_pool = state_pool.at[target].set(states.astype(state_pool.dtype), mode="drop")
+    return jnp.where(keep[:, None, None], out, 0.0), state_pool
+
+
 def gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state):
     """q, k [T, H, Dk], v [T, H, Dv], g, beta [T, H]; cu_seqlens [S + 1] int32; initial_state
     [S, H, Dk, Dv] -> (outputs [T, H, Dv] float32, final states [S, H, Dk, Dv] float32), token by
@@ -54,4 +67,4 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state):
     return outputs, finals
 
 
-__all__ = ["gated_delta_rule", "recurrent_step"]
+__all__ = ["gated_delta_rule", "recurrent_step", "recurrent_update"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from jaxinfer.cache.metadata import AttentionMetadata
@@ -30,6 +31,7 @@ class GQA:
     sinks: bool = False
     sliding_window: int | None = None
     scale: float | None = None  # softmax scale; default head_dim ** -0.5
+    output_gate: bool = False  # q_proj gives per head [q | gate]; out * sigmoid(gate) before o_proj (Qwen3-Next)
     rope_layer_type: str | None = None  # whose RoPE, where rope_parameters are given per layer type
     name: str = "self_attn"  # the module's name in the checkpoint
 
@@ -50,7 +52,8 @@ class GQA:
             num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
             qkv_bias=self.qkv_bias, o_bias=self.o_bias, qk_norm_eps=config.rms_norm_eps if self.qk_norm else None,
             qk_norm=self.qk_norm or "head", qk_norm_unit_offset=self.qk_norm_unit_offset, sinks=self.sinks,
-            sliding_window=self.sliding_window, scale=self.scale, param_dtype=param_dtype, name=self.name)
+            sliding_window=self.sliding_window, scale=self.scale, output_gate=self.output_gate,
+            param_dtype=param_dtype, name=self.name)
 
 
 class PagedGQAttention(nn.Module):
@@ -60,6 +63,8 @@ class PagedGQAttention(nn.Module):
     (``rotary_paged_decode_attention``).
 
     KV head ``j`` serves query heads ``[j*g, (j+1)*g)`` (HF's ``repeat_kv``), ``g = heads // kv_heads``.
+    With ``output_gate``, ``q_proj`` gives ``[q_h | gate_h]`` per head and the attention output is
+    multiplied by ``sigmoid(gate)`` before ``o_proj``.
     """
 
     num_heads: int
@@ -73,6 +78,7 @@ class PagedGQAttention(nn.Module):
     sinks: bool = False  # one learned softmax logit per head (GPT-OSS)
     sliding_window: int | None = None
     scale: float | None = None  # default head_dim ** -0.5
+    output_gate: bool = False
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
@@ -82,8 +88,9 @@ class PagedGQAttention(nn.Module):
         cos, sin = rotary
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q_width = 2 * q_size if self.output_gate else q_size
         qkv = [LinearParams(n, self.qkv_bias, self.param_dtype, name=name)(x.shape[-1])
-               for n, name in ((q_size, "q_proj"), (kv_size, "k_proj"), (kv_size, "v_proj"))]
+               for n, name in ((q_width, "q_proj"), (kv_size, "k_proj"), (kv_size, "v_proj"))]
         # One op for the three (one launch at decode, with the block's norm), weights kept apart as the
         # checkpoint has them.
         weights, biases = [w for w, _ in qkv], [b for _, b in qkv]
@@ -91,6 +98,10 @@ class PagedGQAttention(nn.Module):
             (q, k, v), residual = linear_ops.project(x, weights, biases), None
         else:
             (q, k, v), residual = prenorm.project(x, weights, biases)
+        gate = None
+        if self.output_gate:
+            q_and_gate = q.reshape(t, self.num_heads, 2, self.head_dim)
+            q, gate = q_and_gate[:, :, 0].reshape(t, q_size), q_and_gate[:, :, 1].reshape(t, q_size)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         norm = lambda name: RMSNorm(self.qk_norm_eps, unit_offset=self.qk_norm_unit_offset,  # noqa: E731
                                     param_dtype=self.param_dtype, name=name)
@@ -117,5 +128,8 @@ class PagedGQAttention(nn.Module):
                                                                    md.slot_mapping, **norms)
             out = attention_ops.ragged_paged_attention(q, k_cache, v_cache, md.positions, md.token_seq_ids,
                                                        md.block_tables, md.seq_lens, **options)
-        out = Linear(x.shape[-1], self.o_bias, self.param_dtype, name="o_proj")(out.reshape(t, q_size))
+        out = out.reshape(t, q_size)
+        if gate is not None:
+            out = out * jax.nn.sigmoid(gate)
+        out = Linear(x.shape[-1], self.o_bias, self.param_dtype, name="o_proj")(out)
         return out, {"k": k_cache, "v": v_cache}, residual

@@ -33,6 +33,29 @@ class RMSNorm(nn.Module):
         return normed if residual is None else (normed, summed)
 
 
+class GatedRMSNorm(nn.Module):
+    """HF's ``RMSNormGated`` over the last axis: ``weight * rms_norm(x) * act(gate)``, normalised in
+    float32. ``activation`` "silu" (gated DeltaNet: the weight multiplied in ``x``'s dtype, as
+    Qwen3-Next does) or "sigmoid" with ``float32_weight`` (Kimi's KDA: all in float32)."""
+
+    eps: float
+    activation: str = "silu"
+    float32_weight: bool = False
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, gate):
+        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.float32_weight:
+            normed = weight.astype(jnp.float32) * x32
+        else:  # rounded to x's dtype before the gate, as HF
+            normed = (weight * x32.astype(x.dtype)).astype(jnp.float32)
+        act = jax.nn.silu if self.activation == "silu" else jax.nn.sigmoid
+        return (normed * act(gate.astype(jnp.float32))).astype(x.dtype)
+
+
 class LayerNorm(nn.Module):
     """``torch.nn.LayerNorm`` with weight and bias (``<name>/weight``, ``<name>/bias``), computed in
     float32 and returned in ``x``'s dtype."""

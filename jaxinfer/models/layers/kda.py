@@ -1,0 +1,112 @@
+"""The KDA mixer (Kimi Delta Attention, Kimi-Linear): a gated delta rule whose decay is per key
+channel, with short convs in front and a sigmoid-gated RMSNorm behind.
+
+Per token, with ``H`` heads of ``d`` (``linear_num_heads``, ``linear_head_dim``): q, k and v come
+from their own projections, each through its own depthwise causal conv (``q_conv1d``, ``k_conv1d``,
+``v_conv1d``, no bias) and then ``hidden_act`` (SiLU); q and k are L2-normalised, q scaled by
+``d ** -0.5``; ``beta = sigmoid(b_proj(x))`` per head; the log-decay per channel is
+``g[h, c] = -exp(A_log[h]) * softplus(f_b_proj(f_a_proj(x))[h*d + c] + dt_bias[h*d + c])``, in
+float32. The output per head is ``o_norm.weight * rms_norm(o) * sigmoid(g_b_proj(g_a_proj(x)))``,
+all in float32 (not SiLU as in gated DeltaNet), then ``o_proj``. The checkpoint keeps ``A_log`` as
+``[1, 1, H, 1]`` and ``dt_bias`` as ``[H * d]``, the latter in float32 whatever the serving dtype.
+
+Each layer keeps per sequence a conv state (the last ``kernel - 1`` inputs of the three convs, as
+``[q | k | v]`` channels, in the cache dtype) and the recurrent state ``[H, d, d]`` in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.cache.metadata import AttentionMetadata
+from jaxinfer.cache.specs import StateSlots
+from jaxinfer.errors import ConfigError
+from jaxinfer.kernels import kda as kda_ops
+from jaxinfer.models.layers.linear import Linear, LinearParams
+from jaxinfer.models.layers.linear_attention import ConvWeight, l2_normalize, project_input, run_recurrence, short_conv
+from jaxinfer.models.layers.norm import GatedRMSNorm, PreNorm
+
+CONV_ACTIVATIONS = {"silu": "silu", "swish": "silu"}  # hidden_act names the short-conv op implements
+
+
+@dataclasses.dataclass(frozen=True)
+class KDA:
+    """A KDA mixer; sizes come from the config's ``linear_*`` fields (HF's config class reads them
+    from a hub config's ``linear_attn_config``)."""
+
+    name: str = "self_attn"
+
+    @staticmethod
+    def sizes(config) -> dict[str, int]:
+        return {"num_heads": config.int_field("linear_num_heads", ge=1),
+                "head_dim": config.int_field("linear_head_dim", ge=1),
+                "conv_kernel_dim": config.int_field("linear_conv_kernel_dim", ge=2)}  # a state of kernel - 1 inputs
+
+    def validate(self, config) -> None:
+        self.sizes(config)
+        if config.hidden_act not in CONV_ACTIVATIONS:
+            raise ConfigError(f"hidden_act {config.hidden_act!r} is not supported by KDA's short convolutions; "
+                              f"supported: {', '.join(sorted(CONV_ACTIVATIONS))}")
+
+    def cache_specs(self, config) -> tuple[StateSlots, ...]:
+        s = self.sizes(config)
+        return (StateSlots((
+            ("conv_state", (s["conv_kernel_dim"] - 1, 3 * s["num_heads"] * s["head_dim"]), None),
+            ("recurrent_state", (s["num_heads"], s["head_dim"], s["head_dim"]), "float32"),
+        )),)
+
+    def rotary(self, config):
+        return None
+
+    def module(self, config, param_dtype) -> "KimiDeltaAttention":
+        s = self.sizes(config)
+        return KimiDeltaAttention(num_heads=s["num_heads"], head_dim=s["head_dim"], conv_kernel=s["conv_kernel_dim"],
+                                  activation=CONV_ACTIVATIONS.get(config.hidden_act, "silu"), eps=config.rms_norm_eps,
+                                  param_dtype=param_dtype, name=self.name)
+
+
+class KimiDeltaAttention(nn.Module):
+    num_heads: int
+    head_dim: int
+    conv_kernel: int
+    activation: str
+    eps: float
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, cache: dict, md: AttentionMetadata, rotary=None, prenorm: PreNorm | None = None):
+        """``cache``: {"conv_state", "recurrent_state"} -> (output, the updated cache, the residual
+        stream after ``prenorm``'s add)."""
+        t, hidden = x.shape
+        h, d = self.num_heads, self.head_dim
+        param = lambda n, name: LinearParams(n, False, self.param_dtype, name=name)(hidden)[0]  # noqa: E731
+        # Every projection of the block's input, in one op with the block's norm.
+        weights = [param(h * d, "q_proj"), param(h * d, "k_proj"), param(h * d, "v_proj"), param(d, "f_a_proj"),
+                   param(h, "b_proj"), param(d, "g_a_proj")]
+        (q, k, v, f, b, gate), residual = project_input(x, prenorm, weights)
+
+        conv_weight = jnp.concatenate([ConvWeight(h * d, self.conv_kernel, self.param_dtype, name=f"{n}_conv1d")()
+                                       for n in "qkv"])
+        mixed, conv_state = short_conv(jnp.concatenate([q, k, v], axis=-1), conv_weight, cache["conv_state"], md,
+                                       activation=self.activation)
+        q = l2_normalize(mixed[:, :h * d].reshape(t, h, d)) * d ** -0.5
+        k = l2_normalize(mixed[:, h * d:2 * h * d].reshape(t, h, d))
+        v = mixed[:, 2 * h * d:].reshape(t, h, d)
+
+        a_log = self.param("A_log", nn.initializers.zeros, (1, 1, h, 1), self.param_dtype).reshape(h, 1)
+        dt_bias = self.param("dt_bias", nn.initializers.zeros, (h * d,), jnp.float32)  # float32, as HF keeps it
+        f = Linear(h * d, False, self.param_dtype, name="f_b_proj")(f)
+        g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus((f.astype(jnp.float32) + dt_bias).reshape(t, h, d))
+        beta = jax.nn.sigmoid(b).astype(jnp.float32)  # in b's dtype, as HF
+        out, recurrent_state = run_recurrence(kda_ops.kda, kda_ops.recurrent_update, cache["recurrent_state"], md,
+                                              q, k, v, g, beta)
+
+        gate = Linear(h * d, False, self.param_dtype, name="g_b_proj")(gate).reshape(t, h, d)
+        out = GatedRMSNorm(self.eps, "sigmoid", float32_weight=True, param_dtype=self.param_dtype, name="o_norm")(
+            out.astype(x.dtype), gate)
+        out = Linear(hidden, False, self.param_dtype, name="o_proj")(out.reshape(t, h * d))
+        return out, {"conv_state": conv_state, "recurrent_state": recurrent_state}, residual

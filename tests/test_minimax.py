@@ -1,0 +1,118 @@
+"""MiniMax-Text-01 against transformers, and the engine over its lightning state slots: logits (HF's
+prefill runs block by block, the 40-token prompt spans three blocks), greedy tokens under strict
+mode with more sequences than slots, a mixed sampling workload, batching, chunked prefill and
+preemption; the RoPE rotates the whole head whatever the partial factor says."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from jaxinfer import LLM, SamplingParams, load_model
+from jaxinfer.errors import ConfigError
+from tests.conftest import assert_serving_is_consistent, hf_greedy, random_prompts
+
+# Lightning / full / lightning (the last layer's decay is about 0); the residual factors all differ,
+# so a swap shows. HF's MiniMax RoPE ignores the partial factor: the parity below fails if only half
+# of each head is rotated.
+MINIMAX = dict(num_hidden_layers=3, head_dim=16,
+               layer_types=["linear_attention", "full_attention", "linear_attention"],
+               num_local_experts=6, num_experts_per_tok=2, block_size=16, initializer_range=0.1,
+               linear_attn_alpha_factor=1.5, linear_attn_beta_factor=0.7, full_attn_alpha_factor=1.2,
+               full_attn_beta_factor=0.9, mlp_alpha_factor=1.3, mlp_beta_factor=0.6,
+               rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def minimax(hf_checkpoint):
+    return hf_checkpoint("minimax", **MINIMAX)
+
+
+@pytest.fixture(scope="module")
+def strict_engine(minimax):
+    """Shapes as ``assert_serving_is_consistent``'s first engine: its compiles are then cache reads."""
+    path, _ = minimax
+    return LLM(path, dtype="float32", strict=True, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
+               page_size=8, show_progress=False)
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(sliding_window=8)], ids=["full", "sliding"])
+def test_logits_match_hf(hf_checkpoint, overrides):
+    path, hf_model = hf_checkpoint("minimax", **MINIMAX, **overrides)
+    ids = random_prompts([40], seed=1)[0]
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(load_model(path, dtype="float32").logits(ids), ref, atol=1e-4, rtol=0)
+
+
+def test_greedy_tokens_match_hf_with_slots_handed_on(minimax, strict_engine):
+    """Six prompts over four state slots under strict mode: chunked prompts (16-token steps),
+    decodes next to prefills, and slots freed by finished sequences handed to new ones; every
+    sequence's 16 greedy tokens equal HF ``generate``'s."""
+    _, hf_model = minimax
+    prompts = random_prompts([9, 26, 3, 40, 14, 21], seed=2)
+    outs = strict_engine.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(hf_model, prompt)
+    assert strict_engine.engine.scheduler.slots.num_free == 4
+
+
+def test_mixed_sampling_workload_under_strict_mode(strict_engine):
+    prompts = random_prompts([5, 33, 12, 2, 20, 1], seed=5)
+    params = [SamplingParams(temperature=t, max_tokens=m, seed=1, ignore_eos=True)
+              for t, m in zip([0, 0.7, 1.0, 0, 0.5, 0], [3, 16, 8, 17, 9, 1])]
+    outs = strict_engine.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [len(o.token_ids) for o in outs] == [min(p.max_tokens, 64 - len(x)) for p, x in zip(params, prompts)]
+    assert strict_engine.engine.scheduler.slots.num_free == 4
+
+
+def test_batched_chunked_and_preempted_equal_one_at_a_time(minimax):
+    path, _ = minimax
+    tight = assert_serving_is_consistent(path)
+    assert tight.engine.scheduler.slots.num_free == tight.engine.layout.num_slots
+
+
+def test_state_bytes_per_sequence(minimax):
+    """Two lightning layers keep a float32 4 x 16 x 16 state per sequence (no conv state); the
+    attention layer alone is paged."""
+    path, _ = minimax
+    layout = LLM(path, dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, page_size=8,
+                 warmup=False, show_progress=False).engine.layout
+    assert layout.bytes_per_slot == 2 * 4 * 16 * 16 * 4
+    # Per token: the attention layer's k and v, 2 KV heads of 16.
+    assert layout.bytes_by_kind()["PagedKV"] == (2 * 2 * 16 * 4, 0)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(layer_types=["linear_attention", "sliding_attention"]),
+     r"layer_types holds 'sliding_attention'; minimax layers are"),
+    (dict(num_experts_per_tok=9), r"num_experts_per_tok must be an integer >= 1 and <= 8, got 9"),
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0, "partial_rotary_factor": 0.5}),
+     r"rope type 'linear' with partial_rotary_factor 0.5: minimax attention rotates the whole head_dim"),
+])
+def test_bad_configs_are_specific_errors(overrides, message):
+    """What the loader checks before anything is allocated (HF's config class accepts all three)."""
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.models.minimax import MiniMaxForCausalLM
+    from jaxinfer.tiny import tiny_config
+
+    config = ModelConfig.from_dict(tiny_config("minimax", **overrides))
+    with pytest.raises(ConfigError, match=message):
+        MiniMaxForCausalLM.validate_config(config)
+
+
+def test_tiny_checkpoint_is_an_hf_checkpoint(tmp_path):
+    """The project's own tiny MiniMax checkpoint, written without HF's decay buffers (HF derives them
+    on load), gives transformers the same logits as here."""
+    import transformers
+
+    from jaxinfer.tiny import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(tmp_path, "minimax", with_tokenizer=False)
+    ids = random_prompts([20], vocab_size=259, seed=3)[0]
+    hf_model = transformers.MiniMaxForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(load_model(path, dtype="float32").logits(ids), ref, atol=1e-4, rtol=0)
