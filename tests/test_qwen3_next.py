@@ -135,3 +135,23 @@ def test_bad_hybrid_configs_are_specific_errors(tmp_path, overrides, message):
     (tmp_path / "config.json").write_text(json.dumps({**config, **overrides}))
     with pytest.raises(ConfigError, match=message):
         load_model(path, dtype="float32")
+
+
+def test_the_multimodal_wrapper_serves_its_text_model(tmp_path, hf_checkpoint):
+    """A Qwen3.5 checkpoint as the hub ships it (``Qwen3_5ForConditionalGeneration``: the text model
+    under ``model.language_model.*``, its config under ``text_config``) gives the text model's logits."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    path, _ = hf_checkpoint("qwen3_5", **FAMILIES["qwen3_5"])
+    text_config = json.loads(open(f"{path}/config.json").read())
+    text_config.pop("architectures")
+    tensors = {name.replace("model.", "model.language_model.", 1): value
+               for name, value in load_file(f"{path}/model.safetensors").items()}
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text_config}))
+    ids = random_prompts([20], seed=3)[0]
+    np.testing.assert_array_equal(load_model(str(tmp_path), dtype="float32").logits(ids),
+                                  load_model(path, dtype="float32").logits(ids))

@@ -181,7 +181,6 @@ class DecoderLayer(nn.Module):
         ffn_out = self._ffn(self._rms_norm("pre_feedforward_layernorm")(h))
         return h + self._rms_norm("post_feedforward_layernorm")(ffn_out), None, cache
 
-
     def _ffn(self, x):
         """The feed-forward of normalised rows (no fused norm)."""
         c, spec = self.config, self.spec
@@ -190,6 +189,7 @@ class DecoderLayer(nn.Module):
         return SparseMoE(spec.ffn, c.hidden_act, self.param_dtype, name=spec.ffn_name)(x)
 
     def _scaled_normed(self, mixer, x, residual, cache, md, rotary):
+        """``ScaledNormedResidual``; returns the layer's output as ``x`` and ``residual=None``."""
         scale = self.spec.residual
         if residual is not None:  # the previous layer handed its stream over unsummed
             x = x + residual

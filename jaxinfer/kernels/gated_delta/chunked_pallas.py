@@ -27,10 +27,8 @@ for a decaying gate, so nothing overflows however fast the chunk decays); within
 decays are formed exactly, one key row at a time.
 
 Matmuls take ``precision`` (default ``F32_DOTS``: float32-accurate, on the tensor cores); interpret
-mode computes them in float32. On the H200 at Qwen3-Next's shape (4096 tokens of bf16 q/k/v, 32
-heads, Dk = Dv = 128) the three took 2.5 ms with a per-head gate (the jnp chunked form 5.7 to 7.0
-ms), about half of it in the first kernel; 4.6 ms with a per-channel gate, whose decays within a
-sub-chunk (formed one key row at a time) add about 0.7 ms to the first kernel and 1.2 ms to the third.
+mode computes them in float32. Tiles and launch parameters: docs/performance.md, "Gated delta rule
+kernels".
 """
 
 from __future__ import annotations
@@ -51,10 +49,8 @@ SUB = 16  # rows of a sub-chunk: the triangular solve's blocks, the tensor-core 
 # were measured at; wider state rows would need other tiles and warps).
 MIN_DIM, MAX_DIM = 16, 128
 STATE_PROGRAMS = 256  # the state pass takes Dv blocks of 64 where that gives this many programs, else 32
-# Matmuls as three TF32 tensor-core products (float32-accurate). On an H200 the kernels' results
-# stayed as close to the recurrence as with Triton's "ieee" float32 matmuls (a 1013-row step of 4
-# heads, Dk = Dv = 128: about 1e-7 on outputs, 1e-6 on states), and at Qwen3-Next's shape (4096
-# tokens, 32 heads) the "ieee" ones, which run on FMAs, took 2.6 to 4 times as long.
+# Matmuls as three TF32 tensor-core products: as close to the recurrence as Triton's FMA-based
+# "ieee" float32 products, and several times faster.
 F32_DOTS = lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 _TUNING = ("state_block_v", "output_block_v", "precision")
 _FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -71,9 +67,7 @@ def _dim_ok(n: int) -> bool:
 def default_tiles(num_seqs: int, num_heads: int, value_dim: int) -> dict:
     """Dv blocks (at most Dv): the state pass, whose programs are few (sequences x heads x blocks,
     each walking its chunks in turn), takes 64 where that still gives ``STATE_PROGRAMS`` programs,
-    else 32; the output kernel, parallel over chunks already, 64. On the H200 (Qwen3-Next's shape,
-    4 x 1024 tokens) blocks of 64 and 32 ran the state pass in 333 and 341 us, and a single
-    4096-token sequence in 511 us at 32 and 517 at 16; the output kernel took 825 us at 64."""
+    else 32; the output kernel, parallel over chunks already, 64."""
     wide = num_seqs * num_heads * (value_dim // 64) >= STATE_PROGRAMS
     return dict(state_block_v=min(value_dim, 64 if wide else 32), output_block_v=min(value_dim, 64))
 
@@ -339,8 +333,8 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state, *, interpret: 
             return pl.BlockSpec((num_chunks, None, *tail), lambda s, h, b: (0, h, *zeros[:-1], b))
         return pl.BlockSpec((num_chunks, None, *tail), lambda s, h, b: (0, h, *zeros))
 
-    # Launch parameters measured on the H200 (default_tiles' runs): 2 warps for the per-chunk
-    # kernels (8 took 1.8 times as long), 4 and no software pipelining for the state pass.
+    # 2 warps for the per-chunk kernels, 4 and no software pipelining for the state pass (as measured
+    # fastest on the H200).
     params = lambda warps: plgpu.CompilerParams(num_warps=warps, num_stages=1)  # noqa: E731
 
     w, u, keys_decayed, cums = pl.pallas_call(

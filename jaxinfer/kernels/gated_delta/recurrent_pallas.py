@@ -22,9 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 MIN_DIM, MAX_DIM = 16, 256  # key and value head dims: powers of two in this range
-# State elements per program. On the H200, 64 sequences x 32 heads of 128 x 128 float32 states took
-# 85 us at block_v 64 (3.2 TB/s of state read and written), 92 at 32, 150 at 16 and 87 at 128; the
-# jnp reference 540 us.
+# State elements per program (block_v = TILE / Dk): docs/performance.md, "Gated delta rule kernels".
 TILE = 8192
 _TUNING = ("block_v",)
 _FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

@@ -15,10 +15,10 @@ positive: no overflow). Four matmuls per chunk in float32, as three tf32 tensor-
 load. Outputs go straight into their rows of ``[T, H, Dv]``; padding rows keep the zeros of the
 aliased output.
 
-Tiles: ``chunk`` 64 as the jnp form up to Dk 64, 32 beyond (at Dk 128 on an H200: 1.9 ms against
-2.3 ms for 64), ``block_v`` the whole value dim up to 64, 4 warps, or 8 when the state tile holds
-more than 4096 floats (registers: the state, the q/k tiles and the ``[chunk, chunk]`` scores live
-together).
+Tiles: ``chunk`` 64 as the jnp form up to Dk 64, 32 beyond, ``block_v`` the whole value dim up to
+64, 4 warps, or 8 when the state tile holds more than 4096 floats (registers: the state, the q/k
+tiles and the ``[chunk, chunk]`` scores live together); docs/performance.md, "Lightning attention
+kernels", has the runs behind them.
 """
 
 from __future__ import annotations
@@ -35,9 +35,8 @@ from jaxinfer.kernels.lightning.chunked import CHUNK
 
 _TUNING = ("chunk", "block_v", "num_warps", "num_stages")
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-# Three tf32 tensor-core passes: float32 accuracy (as IEEE products) at T=4096, H=64, D=128, bf16 on
-# an H200: 1.9 ms against 4.8 ms for IEEE products and 2.9 ms for the jnp form at "highest"
-# precision; one tf32 pass (1.0 ms) is off by 3e-4. The interpreter keeps IEEE (HIGHEST).
+# Three tf32 tensor-core passes: float32 accuracy, at a fraction of IEEE products' time (one tf32
+# pass would round the state). The interpreter keeps IEEE (HIGHEST).
 _GPU_PRECISION = lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 
