@@ -139,6 +139,42 @@ def assert_logits_and_greedy_match_hf(path, hf_model):
     assert_greedy_matches_hf(path, hf_model, random_prompts([9, 26], seed=2), max_num_seqs=2)
 
 
+def strict_hybrid_engine(path):
+    """A strict engine on the grid of ``assert_serving_is_consistent``'s first engine (whose programs
+    are then read from the compilation cache, not compiled again), with four state slots."""
+    from jaxinfer import LLM
+
+    return LLM(path, dtype="float32", strict=True, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
+               page_size=8, show_progress=False)
+
+
+def assert_slots_handed_on_match_hf(llm, hf_model):
+    """Six prompts over four state slots under strict mode: chunked prompts (16-token steps), decodes
+    next to prefills, and slots freed by finished sequences handed to new ones; every sequence's 16
+    greedy tokens equal HF ``generate``'s, and every slot is free again."""
+    from jaxinfer import SamplingParams
+
+    prompts = random_prompts([9, 26, 3, 40, 14, 21], seed=2)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=16,
+                                                                                 ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(hf_model, prompt)
+    assert llm.engine.scheduler.slots.num_free == llm.engine.layout.num_slots
+
+
+def assert_mixed_workload_runs(llm):
+    """Prompts and sampling settings of every kind, more requests than sequences at once (the engine
+    is strict: nothing compiles); each output has its length, every slot is free again."""
+    from jaxinfer import SamplingParams
+
+    prompts = random_prompts([5, 33, 12, 2, 20, 1], seed=5)
+    params = [SamplingParams(temperature=t, max_tokens=m, seed=1, ignore_eos=True)
+              for t, m in zip([0, 0.7, 1.0, 0, 0.5, 0], [3, 16, 8, 17, 9, 1])]
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [len(o.token_ids) for o in outs] == [min(p.max_tokens, 64 - len(x)) for p, x in zip(params, prompts)]
+    assert llm.engine.scheduler.slots.num_free == llm.engine.layout.num_slots
+
+
 def assert_serving_is_consistent(path):
     """Four prompts (3-40 tokens, greedy): batched == one at a time, chunked prefill (16-token steps)
     == one-shot, and preemption under a 10-page pool gives the same tokens. -> the tight engine."""

@@ -10,9 +10,10 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
-from jaxinfer import LLM, SamplingParams, load_model
+from jaxinfer import load_model
 from jaxinfer.errors import ConfigError
-from tests.conftest import assert_serving_is_consistent, hf_greedy, random_prompts
+from tests.conftest import (assert_mixed_workload_runs, assert_serving_is_consistent,
+                            assert_slots_handed_on_match_hf, random_prompts, strict_hybrid_engine)
 
 # KDA, MLA, KDA (given as the hub gives them: 1-indexed layer lists) with a dense first layer; 2 KDA
 # heads of 16; MLA over a 16-wide latent with 4 heads of 16 + 8 (NoPE) dims; 4 experts, 2 per token.
@@ -22,7 +23,6 @@ CONFIG = dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
               linear_attn_config=dict(kda_layers=[1, 3], full_attn_layers=[2], num_heads=2, head_dim=16,
                                       short_conv_kernel_size=4),
               pad_token_id=0, bos_token_id=1, eos_token_id=2)
-GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +35,7 @@ def strict_engine(kimi):
     """Four state slots, the grid of ``assert_serving_is_consistent``'s first engine: its programs are
     then read from the compilation cache, not compiled again."""
     path, _ = kimi
-    return LLM(path, dtype="float32", strict=True, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
-               page_size=8, show_progress=False)
+    return strict_hybrid_engine(path)
 
 
 def test_layers_are_those_hf_builds(kimi):
@@ -83,24 +82,11 @@ def test_hub_name_of_the_dense_mlp_loads(tmp_path, kimi):
 
 
 def test_greedy_tokens_match_hf_with_slots_handed_on(kimi, strict_engine):
-    """Six prompts over four state slots under strict mode: chunked prompts (16-token steps),
-    decodes next to prefills, and slots freed by finished sequences handed to new ones; every
-    sequence's 16 greedy tokens equal HF ``generate``'s."""
-    _, hf_model = kimi
-    prompts = random_prompts([9, 26, 3, 40, 14, 21], seed=2)
-    outs = strict_engine.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
-    for prompt, out in zip(prompts, outs):
-        assert out.token_ids == hf_greedy(hf_model, prompt)
-    assert strict_engine.engine.scheduler.slots.num_free == 4
+    assert_slots_handed_on_match_hf(strict_engine, kimi[1])
 
 
 def test_mixed_sampling_workload_under_strict_mode(strict_engine):
-    prompts = random_prompts([5, 33, 12, 2, 20, 1], seed=5)
-    params = [SamplingParams(temperature=t, max_tokens=m, seed=1, ignore_eos=True)
-              for t, m in zip([0, 0.7, 1.0, 0, 0.5, 0], [3, 16, 8, 17, 9, 1])]
-    outs = strict_engine.generate(prompt_token_ids=prompts, sampling_params=params)
-    assert [len(o.token_ids) for o in outs] == [min(p.max_tokens, 64 - len(x)) for p, x in zip(params, prompts)]
-    assert strict_engine.engine.scheduler.slots.num_free == 4
+    assert_mixed_workload_runs(strict_engine)
 
 
 def test_batched_chunked_and_preempted_equal_one_at_a_time(kimi):

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from jaxinfer import LLM, SamplingParams, load_model
+from jaxinfer import LLM, load_model
 from jaxinfer.errors import ConfigError
-from tests.conftest import assert_serving_is_consistent, hf_greedy, random_prompts
+from tests.conftest import (assert_mixed_workload_runs, assert_serving_is_consistent,
+                            assert_slots_handed_on_match_hf, random_prompts, strict_hybrid_engine)
 
 # Lightning / full / lightning (the last layer's decay is about 0); the residual factors all differ,
 # so a swap shows. HF's MiniMax RoPE ignores the partial factor: the parity below fails if only half
@@ -22,7 +23,6 @@ MINIMAX = dict(num_hidden_layers=3, head_dim=16,
                linear_attn_alpha_factor=1.5, linear_attn_beta_factor=0.7, full_attn_alpha_factor=1.2,
                full_attn_beta_factor=0.9, mlp_alpha_factor=1.3, mlp_beta_factor=0.6,
                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
-GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +34,7 @@ def minimax(hf_checkpoint):
 def strict_engine(minimax):
     """Shapes as ``assert_serving_is_consistent``'s first engine: its compiles are then cache reads."""
     path, _ = minimax
-    return LLM(path, dtype="float32", strict=True, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
-               page_size=8, show_progress=False)
+    return strict_hybrid_engine(path)
 
 
 @pytest.mark.parametrize("overrides", [{}, dict(sliding_window=8)], ids=["full", "sliding"])
@@ -48,24 +47,11 @@ def test_logits_match_hf(hf_checkpoint, overrides):
 
 
 def test_greedy_tokens_match_hf_with_slots_handed_on(minimax, strict_engine):
-    """Six prompts over four state slots under strict mode: chunked prompts (16-token steps),
-    decodes next to prefills, and slots freed by finished sequences handed to new ones; every
-    sequence's 16 greedy tokens equal HF ``generate``'s."""
-    _, hf_model = minimax
-    prompts = random_prompts([9, 26, 3, 40, 14, 21], seed=2)
-    outs = strict_engine.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
-    for prompt, out in zip(prompts, outs):
-        assert out.token_ids == hf_greedy(hf_model, prompt)
-    assert strict_engine.engine.scheduler.slots.num_free == 4
+    assert_slots_handed_on_match_hf(strict_engine, minimax[1])
 
 
 def test_mixed_sampling_workload_under_strict_mode(strict_engine):
-    prompts = random_prompts([5, 33, 12, 2, 20, 1], seed=5)
-    params = [SamplingParams(temperature=t, max_tokens=m, seed=1, ignore_eos=True)
-              for t, m in zip([0, 0.7, 1.0, 0, 0.5, 0], [3, 16, 8, 17, 9, 1])]
-    outs = strict_engine.generate(prompt_token_ids=prompts, sampling_params=params)
-    assert [len(o.token_ids) for o in outs] == [min(p.max_tokens, 64 - len(x)) for p, x in zip(params, prompts)]
-    assert strict_engine.engine.scheduler.slots.num_free == 4
+    assert_mixed_workload_runs(strict_engine)
 
 
 def test_batched_chunked_and_preempted_equal_one_at_a_time(minimax):

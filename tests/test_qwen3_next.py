@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from jaxinfer import LLM, SamplingParams, load_model
+from jaxinfer import LLM, load_model
 from jaxinfer.errors import ConfigError
-from tests.conftest import assert_greedy_matches_hf, assert_serving_is_consistent, hf_greedy, random_prompts
+from tests.conftest import (assert_greedy_matches_hf, assert_mixed_workload_runs, assert_serving_is_consistent,
+                            assert_slots_handed_on_match_hf, random_prompts, strict_hybrid_engine)
 
 # A DeltaNet layer and a gated full-attention layer; 2 key heads feeding 4 value heads; partial RoPE.
 HYBRID = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], head_dim=16,
@@ -24,7 +25,6 @@ FAMILIES = {
     "qwen3_5": HYBRID,
     "qwen3_5_moe": dict(HYBRID, **MOE),
 }
-GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -40,8 +40,7 @@ def strict_next(hf_checkpoint):
     share the mixer and the state handling; Qwen3.5's own layout and layers are checked by the
     parity tests."""
     path, hf_model = hf_checkpoint("qwen3_next", **FAMILIES["qwen3_next"])
-    return LLM(path, dtype="float32", strict=True, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
-               page_size=8, show_progress=False), hf_model
+    return strict_hybrid_engine(path), hf_model
 
 
 def test_logits_match_hf(family):
@@ -58,24 +57,11 @@ def test_greedy_tokens_match_hf(name, hf_checkpoint):
 
 
 def test_greedy_tokens_match_hf_with_slots_handed_on(strict_next):
-    """Six prompts over four state slots under strict mode: chunked prompts (16-token steps),
-    decodes next to prefills, and slots freed by finished sequences handed to new ones; every
-    sequence's 16 greedy tokens equal HF ``generate``'s."""
-    llm, hf_model = strict_next
-    prompts = random_prompts([9, 26, 3, 40, 14, 21], seed=2)
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
-    for prompt, out in zip(prompts, outs):
-        assert out.token_ids == hf_greedy(hf_model, prompt)
-    assert llm.engine.scheduler.slots.num_free == 4
+    assert_slots_handed_on_match_hf(*strict_next)
 
 
 def test_mixed_sampling_workload_under_strict_mode(strict_next):
-    llm, _ = strict_next
-    prompts = random_prompts([5, 33, 12, 2, 20, 1], seed=5)
-    params = [SamplingParams(temperature=t, max_tokens=m, seed=1, ignore_eos=True)
-              for t, m in zip([0, 0.7, 1.0, 0, 0.5, 0], [3, 16, 8, 17, 9, 1])]
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    assert [len(o.token_ids) for o in outs] == [min(p.max_tokens, 64 - len(x)) for p, x in zip(params, prompts)]
+    assert_mixed_workload_runs(strict_next[0])
 
 
 def test_batched_chunked_and_preempted_equal_one_at_a_time(strict_next, hf_checkpoint):

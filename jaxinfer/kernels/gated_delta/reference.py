@@ -15,8 +15,9 @@ with q and k as given (the caller L2-normalises them and scales q by ``Dk ** -0.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
+
+from jaxinfer.kernels.recurrence import scan_packed, update_slots
 
 
 def recurrent_step(state, q, k, v, g, beta):
@@ -32,39 +33,14 @@ def recurrent_update(state_pool, slots, q, k, v, g, beta):
     """One decode token per sequence, its state read from and written back to a slot pool:
     state_pool [N, H, Dk, Dv] float32, slots [S] int32 (-1: a padding row, nothing read or written),
     q/k [S, H, Dk], v [S, H, Dv], g/beta [S, H] -> (outputs [S, H, Dv] float32, the pool)."""
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    states = state_pool[jnp.maximum(slots, 0)]
-    out, states = jax.vmap(recurrent_step)(states, f32(q), f32(k), f32(v), f32(g), f32(beta))
-    keep = slots >= 0
-    target = jnp.where(keep, slots, state_pool.shape[0])  # out of range: dropped
-    state_pool = state_pool.at[target].set(states.astype(state_pool.dtype), mode="drop")
-    return jnp.where(keep[:, None, None], out, 0.0), state_pool
+    return update_slots(recurrent_step, state_pool, slots, (q, k, v, g, beta))
 
 
 def gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state):
     """q, k [T, H, Dk], v [T, H, Dv], g, beta [T, H]; cu_seqlens [S + 1] int32; initial_state
     [S, H, Dk, Dv] -> (outputs [T, H, Dv] float32, final states [S, H, Dk, Dv] float32), token by
     token (a scan over the packed rows)."""
-    num_tokens = q.shape[0]
-    rows = jnp.arange(num_tokens)
-    seq = jnp.searchsorted(cu_seqlens[1:], rows, side="right")  # the sequence of each row
-    valid = rows < cu_seqlens[-1]
-    first = valid & (rows == cu_seqlens[jnp.minimum(seq, cu_seqlens.shape[0] - 2)])
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-
-    def step(carry, xs):
-        state, finals = carry
-        q_t, k_t, v_t, g_t, b_t, s_t, valid_t, first_t = xs
-        s_t = jnp.minimum(s_t, finals.shape[0] - 1)
-        state = jnp.where(first_t, finals[s_t], state)  # a sequence starts from its initial state
-        out, new_state = recurrent_step(state, q_t, k_t, v_t, g_t, b_t)
-        state = jnp.where(valid_t, new_state, state)
-        finals = jnp.where(valid_t, finals.at[s_t].set(state), finals)
-        return (state, finals), jnp.where(valid_t, out, 0.0)
-
-    init = (jnp.zeros(initial_state.shape[1:], jnp.float32), f32(initial_state))
-    (_, finals), outputs = jax.lax.scan(step, init, (f32(q), f32(k), f32(v), f32(g), f32(beta), seq, valid, first))
-    return outputs, finals
+    return scan_packed(recurrent_step, (q, k, v, g, beta), cu_seqlens, initial_state)
 
 
 __all__ = ["gated_delta_rule", "recurrent_step", "recurrent_update"]
