@@ -120,7 +120,8 @@ def matmul_rate() -> float:
     return 2 * 8192**3 / seconds
 
 
-KERNEL_FAMILIES = ("attention", "linear", "mla", "moe", "norm")  # op families of jaxinfer.kernels.registry
+KERNEL_FAMILIES = ("attention", "linear", "mla", "moe", "norm", "sparse_mla", "gated_delta", "kda",
+                   "lightning")  # op families of jaxinfer.kernels.registry with GPU kernels
 _PROCESS_WIDE = contextlib.ExitStack()  # selections kept for the rest of the process
 
 

@@ -9,8 +9,13 @@ copy bandwidth, all measured in the same run.
 
 Prefill shapes: Qwen3-Next's gated DeltaNet (32 value heads, d 128), Kimi Linear's KDA (32 heads, d
 128), MiniMax-Text-01's lightning attention (64 heads, d 128), bf16 inputs, float32 states; one
-sequence of T = 1024 ... 16384 and a varlen step of 8 sequences. Decode: B = 1, 64, 256 rows over a
-pool of 512 slots; the state traffic (read + write of each row's float32 state) over the kernel time.
+sequence of T = 1024 ... 16384 and a varlen step of 8 sequences. Our ops take as many key as value
+heads (the gated DeltaNet mixer repeats Qwen3-Next's 16 key heads to its 32 value heads); fla runs the
+same inputs, and for the gated delta rule also its grouped-value form with 16 key heads. Decode: B =
+1, 64, 256 rows over a pool of 512 slots; the state traffic (read + write of each row's float32 state)
+over the kernel time; fla's recurrent kernels on a [B, H, K, V] state batch beside it.
+
+Where torch and JAX share the GPU, cap JAX's share: ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.5``.
 """
 
 from __future__ import annotations
@@ -87,51 +92,87 @@ def parity(heads, dim):
     return rows
 
 
-def _fla_prefill(name, args):
-    """flash-linear-attention's chunked kernel on the same inputs, as a timed callable; None without fla."""
-    try:
-        import torch
-        if name == "gated_delta":
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_fn
-        elif name == "kda":
-            from fla.ops.kda import chunk_kda as fla_fn
-        else:
-            return None
-    except ImportError:
-        return None
-    q, k, v, g, beta, cu, state = (torch.from_dlpack(a) for a in args)  # the same device buffers
-    q, k, v, g, beta = (x.unsqueeze(0) for x in (q, k, v, g, beta))
-    cu = cu.long()
+def _torch_timer(run, iters=20):
+    """Seconds per call of a torch CUDA callable, by CUDA events around ``iters`` calls after one warm-up."""
+    import torch
 
-    def run():  # q comes scaled already
-        return fla_fn(q, k, v, g=g, beta=beta, scale=1.0, initial_state=state, output_final_state=True, cu_seqlens=cu)
-
-    def timed(iters=20):
+    run()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
         run()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            run()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / iters * 1e-3
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters * 1e-3
 
-    return timed
+
+def _fla(name, kind):
+    """flash-linear-attention's chunked (``kind="chunk"``) or recurrent kernel for ``name``; None
+    without fla (or for lightning attention, which it does not have in this form)."""
+    try:
+        if name == "gated_delta":
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+            return chunk_gated_delta_rule if kind == "chunk" else fused_recurrent_gated_delta_rule
+        if name == "kda":
+            from fla.ops.kda import chunk_kda, fused_recurrent_kda
+            return chunk_kda if kind == "chunk" else fused_recurrent_kda
+    except ImportError:
+        pass
+    return None
+
+
+def _fla_prefill(name, args, key_heads=None):
+    """Seconds per call of fla's chunked kernel on the same device buffers (None without fla).
+    ``key_heads``: q and k cut to that many heads, fla's grouped-value form (Qwen3-Next's 16 key heads
+    for 32 value heads), which our op takes with the key heads repeated."""
+    fla_fn = _fla(name, "chunk")
+    if fla_fn is None:
+        return None
+    import torch
+
+    q, k, v, g, beta, cu, state = (torch.from_dlpack(a) for a in args)
+    q, k, v, g, beta = (x.unsqueeze(0) for x in (q, k, v, g, beta))
+    if key_heads:
+        q, k = q[:, :, :key_heads].contiguous(), k[:, :, :key_heads].contiguous()
+    cu = cu.long()
+    return _torch_timer(lambda: fla_fn(q, k, v, g=g, beta=beta, scale=1.0, initial_state=state,  # q comes scaled
+                                       output_final_state=True, cu_seqlens=cu))
+
+
+def _fla_decode(name, rows, heads, dim):
+    """Seconds per call of fla's recurrent kernel on one token for each of ``rows`` sequences, with
+    their states in a [rows, H, K, V] batch (fla has no slot pool); None without fla."""
+    fla_fn = _fla(name, "recurrent")
+    if fla_fn is None:
+        return None
+    import torch
+
+    q, k, v, g, beta, _, _ = (torch.from_dlpack(a) for a in prefill_inputs(name, [rows], heads, dim, jnp.bfloat16))
+    q, k, v, g, beta = (x.unsqueeze(1) for x in (q, k, v, g, beta))  # [rows, 1, ...]
+    state = torch.zeros(rows, heads, dim, dim, dtype=torch.float32, device=q.device)
+    return _torch_timer(lambda: fla_fn(q, k, v, g=g, beta=beta, scale=1.0, initial_state=state,
+                                       output_final_state=True))
 
 
 def benchmarks(bandwidth):
     rows = []
     for name, (prefill_op, decode_op, heads, dim, _) in OPS.items():
-        for lengths in ([1024], [4096], [16384], [512] * 8):
+        for lengths in ([1024], [4096], [8192], [16384], [512] * 8):
             args = prefill_inputs(name, lengths, heads, dim, jnp.bfloat16)
-            row = {"op": prefill_op.name, "lengths": lengths, "heads": heads, "dim": dim,
-                   "kernel_ms": kernel_time(jax.jit(prefill_op), *args) * 1e3}
+            # A function of its own per timing: a traced program keeps the implementation it chose.
+            with registry.recording() as chosen:
+                row = {"op": prefill_op.name, "lengths": lengths, "heads": heads, "dim": dim,
+                       "kernel_ms": kernel_time(lambda *a: prefill_op(*a), *args) * 1e3}
+            row["implementation"] = sorted(chosen[prefill_op.name])
             with registry.force(prefill_op.name, "chunked"):
-                row["chunked_jnp_ms"] = kernel_time(jax.jit(prefill_op), *args) * 1e3
+                row["chunked_jnp_ms"] = kernel_time(lambda *a: prefill_op(*a), *args) * 1e3
             fla = _fla_prefill(name, args)
             if fla is not None:
-                row["fla_ms"] = fla() * 1e3
+                row["fla_ms"] = fla * 1e3
+                row["x_fla"] = row["kernel_ms"] / row["fla_ms"]
+                if name == "gated_delta":
+                    row["fla_16_key_heads_ms"] = _fla_prefill(name, args, key_heads=heads // 2) * 1e3
             rows.append(row)
             print(row, flush=True)
         for batch in (1, 64, 256):
@@ -140,6 +181,9 @@ def benchmarks(bandwidth):
             traffic = 2 * batch * heads * dim * dim * 4
             rows.append({"op": decode_op.name, "batch": batch, "heads": heads, "dim": dim, "kernel_us": seconds * 1e6,
                          "state_TBps": traffic / seconds / 1e12, "of_copy_bandwidth": traffic / seconds / bandwidth})
+            fla = _fla_decode(name, batch, heads, dim)
+            if fla is not None:
+                rows[-1].update(fla_us=fla * 1e6, fla_state_TBps=traffic / fla / 1e12)
             print(rows[-1], flush=True)
     return rows
 

@@ -24,8 +24,25 @@ near-tie: float32's top two logprobs 0.012 apart on one Llama prompt) is compare
 float32 must rank the kernels' pick second, and the difference of the two runs' logprobs of that
 token counts as the kernels' drift.
 
+The families: the first five as recorded; then the MLA ones at DeepSeek's latent widths (kv_lora_rank
+512 + rope 64, 16 heads; DeepSeek-V3 and V3.2 with their YaRN scale, a dense layer then an MoE one
+with grouped routing; the sparse ones keep 128 keys per query, fewer than every prompt has; GLM-5
+at its own head widths, a "full" indexer layer then a "shared" one), the linear-attention hybrids at
+heads of 128 (Qwen3-Next and Qwen3.5-MoE: 3 gated-DeltaNet layers of 4/8 heads, then a gated
+full-attention layer of head_dim 256 as theirs; Kimi Linear: 3 KDA layers of 8 heads, then a NoPE
+MLA layer, the first layer dense; MiniMax-Text-01: a lightning layer then a softmax one, with its
+scaled residuals).
+
+``--smoke`` divides the widths by 8 and the prompts by 10 (fewer tokens per step, so prefill still
+spans several steps): a quick run of the script itself, e.g. on a CPU, where the "kernels" run is
+the reference. XLA's CPU backend cannot run some bfloat16 dots (MLA's absorbed einsums: "Unsupported
+element type for DotThunk::Execute: BF16 x BF16 = F32"); ``--smoke-dtype float32`` runs the
+bfloat16 runs in float32 there, to smoke-test the MLA families' path through the script.
+
     PYTHONPATH=. python3 scripts/model_check.py          # writes model_check.json to $JAXINFER_BENCH_DIR (or .)
     PYTHONPATH=. python3 scripts/model_check.py --seed 1 # other random checkpoints and prompts
+    PYTHONPATH=. python3 scripts/model_check.py --families deepseek_v3 kimi_linear minimax
+    PYTHONPATH=. python3 scripts/model_check.py --smoke --smoke-dtype float32 --families glm_moe_dsa  # CPU
 """
 
 from __future__ import annotations
@@ -44,26 +61,80 @@ from benchlib import KERNEL_FAMILIES, environment, force_reference, write_json  
 
 _SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=2, num_attention_heads=8,
               num_key_value_heads=2, head_dim=128, max_position_embeddings=4096, dtype="bfloat16")
+# MLA at DeepSeek's per-head widths (every head expanded from the latent: as many KV heads as heads).
+_MLA = dict(num_attention_heads=16, num_key_value_heads=16, head_dim=None, q_lora_rank=1536, kv_lora_rank=512,
+            qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+_YARN = dict(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0,  # DeepSeek-V3's
+                                  original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
+                                  mscale_all_dim=1.0))
+# A dense first layer, then MoE routed within 4 of 8 groups, plus a shared expert.
+_DEEPSEEK_MOE = dict(n_routed_experts=32, num_experts_per_tok=4, moe_intermediate_size=256, n_shared_experts=1,
+                     n_group=8, topk_group=4, first_k_dense_replace=1, routed_scaling_factor=2.5)
+_SPARSE_TOP_K = 128  # fewer than every prompt's tokens: the selection drops keys
+# Three gated-DeltaNet layers (heads of 128), then gated full attention at head_dim 256 (rotary 64).
+_GATED_DELTANET = dict(num_hidden_layers=4, head_dim=256, linear_num_key_heads=4, linear_num_value_heads=8,
+                       linear_key_head_dim=128, linear_value_head_dim=128, num_experts=32, num_experts_per_tok=4,
+                       moe_intermediate_size=256, shared_expert_intermediate_size=256)
+_MINIMAX_ALPHA = (2 * 80) ** 0.25  # MiniMax-Text-01's residual factors: (2 x its 80 layers) ** 0.25, beta 1
 FAMILIES = {  # family -> its tiny checkpoint's overrides (the families' distinct ops, at realistic head sizes)
     "llama": {},
     "qwen3": {},  # per-head q/k norm fused into RoPE + cache write, tied embeddings
     "mistral": dict(sliding_window=384),  # windowed prefill (the Triton kernel) and decode
     "qwen3_moe": dict(num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256),
     "minimax_m2": dict(num_local_experts=32, num_experts_per_tok=4, intermediate_size=256, rotary_dim=64),
+    "deepseek_v3": dict(**_MLA, **_DEEPSEEK_MOE, **_YARN),
+    "deepseek_v32": dict(**_MLA, **_DEEPSEEK_MOE, **_YARN, index_n_heads=64, index_head_dim=128,
+                         index_topk=_SPARSE_TOP_K),
+    "glm_moe_dsa": dict(**{**_MLA, "q_lora_rank": 2048, "qk_nope_head_dim": 192, "v_head_dim": 256},  # GLM-5's
+                        n_routed_experts=32, num_experts_per_tok=4, moe_intermediate_size=256, n_shared_experts=1,
+                        n_group=1, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, index_n_heads=32,
+                        index_head_dim=128, index_topk=_SPARSE_TOP_K, indexer_types=["full", "shared"]),
+    "qwen3_next": _GATED_DELTANET,
+    "qwen3_5_moe": _GATED_DELTANET,
+    "kimi_linear": dict(**{**_MLA, "q_lora_rank": None}, num_experts=32, num_experts_per_token=4,  # no q LoRA
+                        moe_intermediate_size=256, num_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=4,
+                        linear_attn_config=dict(kda_layers=[1, 2, 3], full_attn_layers=[4], num_heads=8, head_dim=128,
+                                                short_conv_kernel_size=4)),
+    "minimax": dict(num_local_experts=32, num_experts_per_tok=2, intermediate_size=256, block_size=256,
+                    **{f"{kind}_{factor}_factor": value for kind in ("full_attn", "linear_attn", "mlp")
+                       for factor, value in (("alpha", _MINIMAX_ALPHA), ("beta", 1.0))}),
 }
 PROMPT_LENGTHS = (213, 700, 1500)
 MAX_TOKENS = 24
+MAX_MODEL_LEN, MAX_BATCHED_TOKENS = 2048, 1024
+# --smoke: these widths divided by 8, index_topk too; the prompts and the step's tokens by 10.
+_SMOKE_WIDTHS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
+                 "head_dim", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                 "index_head_dim", "index_topk", "linear_key_head_dim", "linear_value_head_dim")
 RUNS = ("kernels", "reference_bfloat16", "reference_float32")
 
 
-def write_checkpoint(path: str, family: str, seed: int = 0) -> None:
+def checkpoint_shape(family: str, smoke: bool = False) -> dict:
+    """The family's tiny-checkpoint overrides: ``_SHAPE`` and its own (widths / 8 for ``--smoke``)."""
+    shape = {**_SHAPE, **FAMILIES[family]}
+    if smoke:
+        shape.update({k: shape[k] // 8 for k in _SMOKE_WIDTHS if shape.get(k)})
+        if "linear_attn_config" in shape:
+            shape["linear_attn_config"] = {**shape["linear_attn_config"],
+                                           "head_dim": shape["linear_attn_config"]["head_dim"] // 8}
+    return shape
+
+
+def use_smoke_sizes() -> None:
+    """Shorter prompts and runs for ``--smoke`` (the module's sizes, read by ``generate`` and ``compare``)."""
+    global PROMPT_LENGTHS, MAX_TOKENS, MAX_MODEL_LEN, MAX_BATCHED_TOKENS
+    PROMPT_LENGTHS = tuple(n // 10 for n in PROMPT_LENGTHS)
+    MAX_TOKENS, MAX_MODEL_LEN, MAX_BATCHED_TOKENS = 8, 256, 64
+
+
+def write_checkpoint(path: str, family: str, seed: int = 0, smoke: bool = False) -> None:
     """The family's tiny checkpoint at the check's shape, its weights rounded to bfloat16 values."""
     import jax.numpy as jnp
     from safetensors.numpy import load_file, save_file
 
     from jaxinfer.tiny import write_tiny_checkpoint
 
-    write_tiny_checkpoint(path, family, seed=1 + seed, **{**_SHAPE, **FAMILIES[family]})
+    write_tiny_checkpoint(path, family, seed=1 + seed, **checkpoint_shape(family, smoke))
     weights = os.path.join(path, "model.safetensors")
     rounded = {k: np.asarray(jnp.asarray(v, jnp.bfloat16).astype(jnp.float32)) for k, v in load_file(weights).items()}
     save_file(rounded, weights, metadata={"format": "pt"})
@@ -72,8 +143,8 @@ def write_checkpoint(path: str, family: str, seed: int = 0) -> None:
 def generate(checkpoint: str, dtype: str, seed: int = 0) -> list[dict]:
     from jaxinfer import LLM, SamplingParams
 
-    llm = LLM(checkpoint, dtype=dtype, max_model_len=2048, max_num_batched_tokens=1024, show_progress=False,
-              warmup=False)  # compile only the buckets these requests use
+    llm = LLM(checkpoint, dtype=dtype, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=MAX_BATCHED_TOKENS,
+              show_progress=False, warmup=False)  # compile only the buckets these requests use
     rng = np.random.RandomState(seed)
     prompts = [rng.randint(3, llm.config.vocab_size, size=n).tolist() for n in PROMPT_LENGTHS]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
@@ -128,8 +199,17 @@ def main():
     parser.add_argument("--families", nargs="+", choices=sorted(FAMILIES), default=list(FAMILIES))
     parser.add_argument("--seed", type=int, default=0,
                         help="draw other random checkpoints and prompts (0: those of the recorded results)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="widths / 8, prompts / 10: a quick run of the script (e.g. on a CPU), not a check")
+    parser.add_argument("--smoke-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="with --smoke: the dtype of the bfloat16 runs (float32 where XLA's CPU dots refuse bf16)")
     parser.add_argument("--reference-run", nargs=2, metavar=("DTYPE", "OUT"), help=argparse.SUPPRESS)  # a child
     args = parser.parse_args()
+    if args.smoke_dtype != "bfloat16" and not args.smoke:
+        parser.error("--smoke-dtype needs --smoke")
+    if args.smoke:
+        use_smoke_sizes()
+    low = args.smoke_dtype  # the "bfloat16" runs' dtype
     if args.reference_run:  # the checkpoints lie beside the output file
         dtype, out_file = args.reference_run
         force_reference(KERNEL_FAMILIES)
@@ -137,27 +217,30 @@ def main():
         with open(out_file, "w") as out:
             json.dump({f: generate(os.path.join(folder, f), dtype, args.seed) for f in args.families}, out)
         return
+    smoke = ["--smoke", "--smoke-dtype", args.smoke_dtype] if args.smoke else []
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.families:
-            write_checkpoint(os.path.join(tmp, family), family, args.seed)
+            write_checkpoint(os.path.join(tmp, family), family, args.seed, args.smoke)
         runs = {}
-        for dtype in ("bfloat16", "float32"):
-            out_file = os.path.join(tmp, f"reference_{dtype}.json")
+        for name, dtype in (("bfloat16", low), ("float32", "float32")):
+            out_file = os.path.join(tmp, f"reference_{name}.json")
             subprocess.run([sys.executable, __file__, "--reference-run", dtype, out_file, "--seed", str(args.seed),
-                            "--families", *args.families], check=True)
+                            *smoke, "--families", *args.families], check=True)
             with open(out_file) as f:
-                runs[f"reference_{dtype}"] = json.load(f)
+                runs[f"reference_{name}"] = json.load(f)
         for family in args.families:
-            family_runs = {"kernels": generate(os.path.join(tmp, family), "bfloat16", args.seed),
+            family_runs = {"kernels": generate(os.path.join(tmp, family), low, args.seed),
                            **{name: run[family] for name, run in runs.items()}}
             rows = compare(family_runs)
             results[family] = {"requests": rows, "ok": family_passes(rows)}
             print(family, results[family], flush=True)
     ok = all(result["ok"] for result in results.values())
     print("model check ok:", ok)
-    write_json("model_check.json", {"environment": environment(), "seed": args.seed, "max_tokens": MAX_TOKENS,
-                                    "families": results, "ok": ok})
+    smoke_fields = {"smoke": True, "smoke_dtype": args.smoke_dtype} if args.smoke else {}
+    write_json("model_check_smoke.json" if args.smoke else "model_check.json",
+               {"environment": environment(), "seed": args.seed, "max_tokens": MAX_TOKENS, **smoke_fields,
+                "families": results, "ok": ok})
 
 
 if __name__ == "__main__":
