@@ -92,6 +92,19 @@ def kernel_time(fn, *args, calls: int = 20) -> float:
     return busy_ns(_trace_kernels(fn, args, calls)) * 1e-9 / calls
 
 
+def donated_kernel_time(fn, state, *args, calls: int = 20) -> float:
+    """Seconds per call of ``state = fn(state, *args)`` in which the GPU ran its kernels, with
+    ``state`` donated to each call (an in-place update: no copy of the state, as in the engine),
+    from a profiler trace of ``calls`` calls."""
+    run = jax.jit(fn, donate_argnums=0)
+    state = jax.block_until_ready(run(state, *args))
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(calls):
+                state = jax.block_until_ready(run(state, *args))
+        return busy_ns(gpu_kernels(trace_dir)) * 1e-9 / calls
+
+
 def kernel_breakdown(fn, *args, calls: int = 20) -> dict[str, float]:
     """Microseconds per call of each kernel ``fn(*args)`` launches (by name), from a profiler trace."""
     totals: dict[str, float] = {}

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from benchlib import copy_bandwidth, environment, kernel_time, write_json  # noqa: E402
+from benchlib import copy_bandwidth, donated_kernel_time, environment, kernel_time, write_json  # noqa: E402
 
 from jaxinfer.kernels import gated_delta, kda, lightning, registry  # noqa: E402
 
@@ -155,10 +155,13 @@ def _fla_decode(name, rows, heads, dim):
                                        output_final_state=True))
 
 
-def benchmarks(bandwidth):
+def benchmarks(bandwidth, ops, save, steps, decode_only=False):
+    """Prefill ``steps`` (each a list of sequence lengths) and decode at B = 1, 64, 256 of ``ops``;
+    ``save(rows)`` after each row."""
     rows = []
-    for name, (prefill_op, decode_op, heads, dim, _) in OPS.items():
-        for lengths in ([1024], [4096], [8192], [16384], [512] * 8):
+    for name in ops:
+        prefill_op, decode_op, heads, dim, _ = OPS[name]
+        for lengths in () if decode_only else steps:
             args = prefill_inputs(name, lengths, heads, dim, jnp.bfloat16)
             # A function of its own per timing: a traced program keeps the implementation it chose.
             with registry.recording() as chosen:
@@ -175,9 +178,11 @@ def benchmarks(bandwidth):
                     row["fla_16_key_heads_ms"] = _fla_prefill(name, args, key_heads=heads // 2) * 1e3
             rows.append(row)
             print(row, flush=True)
+            save(rows)
         for batch in (1, 64, 256):
             args = decode_inputs(name, batch, 512, heads, dim, jnp.bfloat16)
-            seconds = kernel_time(jax.jit(decode_op, donate_argnums=0), *args)
+            # The pool updated in place (donated), as the engine's decode step does.
+            seconds = donated_kernel_time(lambda pool, *rest: decode_op(pool, *rest)[1], *args)
             traffic = 2 * batch * heads * dim * dim * 4
             rows.append({"op": decode_op.name, "batch": batch, "heads": heads, "dim": dim, "kernel_us": seconds * 1e6,
                          "state_TBps": traffic / seconds / 1e12, "of_copy_bandwidth": traffic / seconds / bandwidth})
@@ -192,18 +197,33 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parity-only", action="store_true")
     parser.add_argument("--interpret", action="store_true", help="the Pallas kernels in interpret mode, small heads")
+    parser.add_argument("--skip-parity", action="store_true")
+    parser.add_argument("--decode-only", action="store_true", help="benchmark the decode steps alone")
+    parser.add_argument("--ops", nargs="+", choices=sorted(OPS), default=list(OPS), help="benchmark these ops")
+    parser.add_argument("--steps", nargs="+", default=["1024", "4096", "8192", "16384", "8x512"],
+                        help="prefill steps: N (one sequence of N tokens) or BxN (B sequences of N)")
+    parser.add_argument("--out", default="linear_attention_check.json", help="the JSON file's name")
     args = parser.parse_args()
     result = {"environment": environment()}
-    if args.interpret:
+    if args.skip_parity:
+        pass
+    elif args.interpret:
         with registry.targeting(registry.Target.interpreted()):
             result["parity"] = parity(heads=2, dim=32)
     else:
         result["parity"] = parity(heads=4, dim=128)
+    write_json(args.out, result)
     if not args.parity_only:
         bandwidth = copy_bandwidth()
         result["copy_bandwidth_TBps"] = bandwidth / 1e12
-        result["benchmarks"] = benchmarks(bandwidth)
-    print(write_json("linear_attention_check.json", result))
+
+        def save(rows):
+            result["benchmarks"] = rows
+            write_json(args.out, result)
+
+        steps = [[int(n)] * int(b) for b, n in (step.split("x") if "x" in step else ("1", step) for step in args.steps)]
+        benchmarks(bandwidth, args.ops, save, steps, args.decode_only)
+    print(write_json(args.out, result))
 
 
 if __name__ == "__main__":
