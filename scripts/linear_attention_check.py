@@ -190,6 +190,7 @@ def benchmarks(bandwidth, ops, save, steps, decode_only=False):
             if fla is not None:
                 rows[-1].update(fla_us=fla * 1e6, fla_state_TBps=traffic / fla / 1e12)
             print(rows[-1], flush=True)
+            save(rows)
     return rows
 
 

@@ -170,6 +170,23 @@ def test_the_ops_default_to_the_tiled_path():
     assert chosen == {"sparse_mla.indexer_select": {"tiled"}}
 
 
+def test_the_attention_kernel_is_chosen_where_its_programs_fill_the_gpu():
+    """At DeepSeek's shape (128 heads: 4 head blocks a token) a decode step of one token stays on the
+    tiled path on a GPU, where the kernel measured slower; 32 tokens (128 programs) take the kernel."""
+    import jax
+
+    gpu = registry.Target(platform="gpu", device_kind="NVIDIA H200", compute_capability="9.0", sm_count=132)
+    cache = jax.ShapeDtypeStruct((64, 64, 576), jnp.bfloat16)
+    for tokens, expected in ((1, "tiled"), (16, "tiled"), (32, "triton"), (8192, "triton")):
+        q_latent = jax.ShapeDtypeStruct((tokens, 128, 512), jnp.bfloat16)
+        q_rope = jax.ShapeDtypeStruct((tokens, 128, 64), jnp.bfloat16)
+        slots = jax.ShapeDtypeStruct((tokens, 2048), jnp.int32)
+        chosen = sparse_ops.sparse_mla_attention_op.choose(gpu, q_latent, q_rope, cache, slots, scale=0.1)
+        assert chosen.name == expected, tokens
+    assert sparse_ops.sparse_mla_attention_op.choose(registry.Target.interpreted(), q_latent, q_rope, cache, slots,
+                                                     scale=0.1).name == "triton"
+
+
 def test_a_long_prompt_prefill_stays_within_its_tiles():
     """A 32k-token prefill at DeepSeek-V3.2's indexer shape (64 heads of 128, top 2048) and one 8-way
     tensor-parallel shard of its MLA (16 heads, latent 512 + 64): XLA's memory analysis of each op's

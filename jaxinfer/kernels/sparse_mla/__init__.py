@@ -21,9 +21,23 @@ from __future__ import annotations
 from jaxinfer.kernels.registry import Implementation, Op, where_pallas_runs
 from jaxinfer.kernels.sparse_mla import attention_pallas, indexer_pallas, reference, tiled
 
+_DEFAULT_SMS = 132  # H100 / H200, where the target does not say
+
 
 def _any_call(target, *args, **options) -> bool:
     return True
+
+
+def _attention_kernel_preferred(target, q_latent, q_rope, latent_cache, slots, **options) -> bool:
+    """The kernel where its (token, head block) programs fill at least half of the GPU's SMs. One
+    program walks all of a token's slots, so a step of few tokens leaves the GPU idle: at DeepSeek's
+    shape (128 heads, top-k 2048, H200) one decode token (4 programs) took 101 us on the kernel and
+    26 us on the tiled jnp path, 32 tokens (128 programs) 125 against 324 us, an 8192-token prefill
+    18 against 82 ms (benchmarks/results/2026-12-02-h200-r2/mla_check.json)."""
+    if target.interpret:
+        return True
+    programs = q_latent.shape[0] * attention_pallas.head_blocks(q_latent, q_rope, latent_cache, slots)
+    return 2 * programs >= (target.sm_count or _DEFAULT_SMS)
 
 
 write_index_keys_op = Op("sparse_mla.write_index_keys", reference.write_index_keys)
@@ -32,7 +46,8 @@ indexer_select_op = Op("sparse_mla.indexer_select", reference.indexer_select, (
     Implementation("tiled", tiled.indexer_select, _any_call, pallas=False),
 ))
 sparse_mla_attention_op = Op("sparse_mla.sparse_mla_attention", reference.sparse_mla_attention, (
-    Implementation("triton", attention_pallas.sparse_mla_attention, where_pallas_runs(attention_pallas.supports)),
+    Implementation("triton", attention_pallas.sparse_mla_attention, where_pallas_runs(attention_pallas.supports),
+                   preferred=_attention_kernel_preferred),
     Implementation("tiled", tiled.sparse_mla_attention, _any_call, pallas=False),
 ))
 

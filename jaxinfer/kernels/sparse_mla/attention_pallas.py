@@ -46,6 +46,14 @@ def supports(q_latent, q_rope, cache, slots, *, scale=None, **options) -> bool:
     return _unsupported_reason(q_latent, q_rope, cache, slots, options) is None
 
 
+def head_blocks(q_latent, q_rope, cache, slots) -> int:
+    """Head blocks per token of a call ``supports`` takes (its programs: tokens x head blocks)."""
+    num_tokens, num_heads, latent_dim = q_latent.shape
+    plan = mla_decode.plan_blocking(num_tokens, num_heads, slots.shape[1], latent_dim, q_rope.shape[-1],
+                                    jnp.dtype(cache.dtype).itemsize, num_splits=1)
+    return -(-num_heads // plan.block_heads)
+
+
 def _kernel(q_latent_ref, q_rope_ref, cache_ref, slots_ref, out_ref, *, scale: float, block_keys: int,
             num_blocks: int):
     latent_dim = q_latent_ref.shape[-1]
@@ -104,4 +112,4 @@ def sparse_mla_attention(q_latent, q_rope, cache, slots, *, scale, interpret=Fal
     return out[:, :num_heads]
 
 
-__all__ = ["sparse_mla_attention", "supports"]
+__all__ = ["head_blocks", "sparse_mla_attention", "supports"]
