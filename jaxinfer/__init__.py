@@ -8,6 +8,8 @@ from jaxinfer.errors import (
     CheckpointError,
     CompilationAfterWarmupError,
     ConfigError,
+    ExportError,
+    ExportMismatchError,
     InvalidRequestError,
     JaxInferError,
     TokenizerUnavailableError,
@@ -19,7 +21,8 @@ from jaxinfer.registry import ModelRegistry
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointError", "CompilationAfterWarmupError", "ConfigError", "EngineConfig", "GenerationOutput",
+    "CheckpointError", "CompilationAfterWarmupError", "ConfigError", "EngineConfig", "ExportError",
+    "ExportMismatchError", "GenerationOutput",
     "InvalidRequestError", "JaxInferError", "LLM", "LoadedModel", "ModelConfig", "ModelRegistry",
     "SamplingParams", "TokenizerUnavailableError", "UnsupportedArchitectureError", "load_model",
 ]

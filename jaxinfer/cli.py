@@ -1,4 +1,4 @@
-"""The ``jaxinfer`` command line: ``generate``, ``info`` and ``make-tiny``."""
+"""The ``jaxinfer`` command line: ``generate``, ``export``, ``info`` and ``make-tiny``."""
 
 from __future__ import annotations
 
@@ -14,12 +14,16 @@ from jaxinfer.tiny import TINY_FAMILIES
 
 
 def _engine_options(args) -> dict:
-    options = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-               "page_size": args.page_size, "strict": args.strict, "compilation_cache": not args.no_compilation_cache,
-               "compilation_cache_dir": args.compilation_cache_dir,
-               "allow_long_max_model_len": args.allow_long_max_model_len}
-    if args.max_model_len:
-        options["max_model_len"] = args.max_model_len
+    """The engine options given on the command line (the others keep EngineConfig's defaults, or,
+    with --executables, the export's)."""
+    options = {"max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
+               "max_num_batched_tokens": args.max_num_batched_tokens, "page_size": args.page_size,
+               "page_bucket_growth": args.page_bucket_growth, "compilation_cache_dir": args.compilation_cache_dir}
+    options = {name: value for name, value in options.items() if value is not None}
+    for flag, option, value in (("strict", "strict", True), ("no_compilation_cache", "compilation_cache", False),
+                                ("allow_long_max_model_len", "allow_long_max_model_len", True)):
+        if getattr(args, flag):
+            options[option] = value
     return options
 
 
@@ -38,9 +42,11 @@ def printable(text: str) -> str:
 def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), bfloat16, float16 or float32")
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt+output (default: the model's, <= 8192)")
-    p.add_argument("--max-num-seqs", type=int, default=8)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step (default 8)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per prefill step (default 512)")
+    p.add_argument("--page-size", type=int, default=None, help="tokens per KV page (default 16)")
+    p.add_argument("--page-bucket-growth", type=int, default=None,
+                   help="ratio between the decode block-table buckets (default 4; 2 is the finest grid)")
     p.add_argument("--strict", action="store_true", help="fail if anything compiles after the warm-up")
     p.add_argument("--compilation-cache-dir", default=None,
                    help="persistent compilation cache (default: xla-cache under $JAXINFER_HOME or ~/.cache/jaxinfer)")
@@ -52,6 +58,12 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
 def _model_path(args) -> str:
     if args.model:
         return args.model
+    if getattr(args, "executables", None):
+        from jaxinfer.engine.manifest import Manifest
+
+        path = Manifest.read(args.executables).checkpoint["path"]
+        print(f"no --model given: using the checkpoint the export was built from, {path}", file=sys.stderr)
+        return path
     from jaxinfer.tiny import ensure_default_checkpoint
 
     path = ensure_default_checkpoint()
@@ -68,7 +80,12 @@ def cmd_generate(args) -> int:
     given.update(seed=args.seed, max_tokens=args.max_tokens, stop=args.stop or None, ignore_eos=args.ignore_eos)
     SamplingParams(**given)
     prompt_ids = [_parse_ids(p) for p in args.prompt_ids]
-    llm = LLM(_model_path(args), args.dtype, **_engine_options(args))
+    options = _engine_options(args)
+    if args.executables:
+        # One command's prompts need a few of the export's programs: load each on first use (a
+        # strict engine loads them all at start-up).
+        options.update(executables=args.executables, warmup=bool(args.strict))
+    llm = LLM(_model_path(args), args.dtype, **options)
     params = dataclasses.replace(llm.get_default_sampling_params(), **given)
     if prompt_ids:
         outputs = llm.generate(sampling_params=params, prompt_token_ids=prompt_ids)
@@ -76,6 +93,8 @@ def cmd_generate(args) -> int:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
     else:
         outputs = llm.generate(args.prompt, params)
+    if args.verbose:
+        print("\n".join(llm.startup_report.lines()), file=sys.stderr)
     for out in outputs:
         if args.json:
             print(json.dumps({"prompt": out.prompt, "text": out.text, "token_ids": out.token_ids,
@@ -147,6 +166,21 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from jaxinfer import LLM
+
+    # The export compiles every program itself (afresh): no warm-up first.
+    llm = LLM(_model_path(args), args.dtype, warmup=False, **_engine_options(args))
+    manifest = llm.export(args.out, portable=args.portable)
+    forms = sorted({p.form for p in manifest.programs})
+    print(f"wrote {len(manifest.programs)} programs ({', '.join(forms)}) and manifest.json to {args.out}")
+    if args.portable:
+        kept = [p.name for p in manifest.programs if p.not_portable]
+        if kept:
+            print(f"not export-stable, kept as executables: {', '.join(kept)}", file=sys.stderr)
+    return 0
+
+
 def cmd_make_tiny(args) -> int:
     from jaxinfer.tiny import write_tiny_checkpoint
 
@@ -173,8 +207,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="one JSON object per output")
+    g.add_argument("--executables", default=None, metavar="EXPORT_DIR",
+                   help="serve the programs of an export (`jaxinfer export`) instead of compiling; it fixes the "
+                        "engine options (default --model: the checkpoint it was built from). Trust it like code")
+    g.add_argument("-v", "--verbose", action="store_true", help="print the start-up phases' times")
     _add_engine_arguments(g)
     g.set_defaults(func=cmd_generate)
+
+    e = sub.add_parser("export", help="compile the bucket grid and write the executables and a manifest")
+    e.add_argument("--model", help="HF checkpoint folder (default: the built-in tiny one)")
+    e.add_argument("--out", required=True, metavar="EXPORT_DIR", help="the export directory (new, or an export)")
+    e.add_argument("--portable", action="store_true",
+                   help="StableHLO (jax.export) for every program whose custom calls are export-stable: loads on "
+                        "other jax versions and device kinds of the platform, compiling at load")
+    _add_engine_arguments(e)
+    e.set_defaults(func=cmd_export)
 
     i = sub.add_parser("info", help="describe a checkpoint and the engine it would get")
     i.add_argument("model", nargs="?", help="HF checkpoint folder (default: the built-in tiny one)")

@@ -39,3 +39,13 @@ class KernelNotSupportedError(JaxInferError, ValueError):
 class KernelFaultError(JaxInferError, RuntimeError):
     """A kernel detected at run time that its results are wrong (a persistent kernel's wait gave up);
     the step's outputs were discarded and its requests ended with an error."""
+
+
+class ExportError(JaxInferError, ValueError):
+    """An export directory that cannot be used: missing, malformed or tampered manifest, program files
+    that are missing, truncated or altered."""
+
+
+class ExportMismatchError(ExportError):
+    """An export made for something else: another checkpoint or config.json, other engine options,
+    another jax / jaxlib version, device kind or device count."""

@@ -1,7 +1,9 @@
 """Checkpoint folder -> a ready model: config, implementation, parameters on a mesh.
 
 ``load_model`` is the research handle (no engine): ``load_model(path).logits([1, 2, 3])`` runs one
-full causal forward through the same model code and paged-attention ops the engine serves with.
+full causal forward through the same model code and paged-attention ops the engine serves with;
+``forward(ids, capture=...)`` also returns what happens inside (``jaxinfer.research``), and
+``prompt_logprobs(ids)`` each token's log-probability given its prefix.
 """
 
 from __future__ import annotations
@@ -13,14 +15,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.cache.layout import CacheLayout
-from jaxinfer.cache.metadata import AttentionMetadata, build_metadata
+from jaxinfer.cache.metadata import AttentionMetadata
 from jaxinfer import checks
 from jaxinfer.checkpoint_folder import CheckpointFolder
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import ConfigError, InvalidRequestError
-from jaxinfer.kernels import registry as kernel_registry
 from jaxinfer.registry import ModelRegistry
+from jaxinfer.research import forward as research_forward
+from jaxinfer.research.request import CAPTURES, CaptureRequest, layer_captures
+from jaxinfer.research.request import parse as parse_capture
 from jaxinfer.sharding import make_mesh
 from jaxinfer.weights import TEXT_MODEL_LAYOUTS, SafetensorsCheckpoint, load_params
 
@@ -69,8 +72,25 @@ def validate_token_ids(token_ids, vocab_size: int, what: str = "prompt") -> list
     return ids
 
 
+def sequences_of(token_ids, vocab_size: int) -> tuple[list[list[int]], bool]:
+    """One sequence (a list or 1-D array of token ids) or a batch (a list of them, or a 2-D integer
+    array) -> (the checked sequences, whether a batch was given)."""
+    if isinstance(token_ids, np.ndarray) and token_ids.ndim == 2:
+        token_ids = list(token_ids)
+    batch = (isinstance(token_ids, (list, tuple)) and len(token_ids) > 0
+             and all(isinstance(ids, (list, tuple, np.ndarray)) for ids in token_ids))
+    if not batch:
+        return [validate_token_ids(token_ids, vocab_size, "token sequence")], False
+    return [validate_token_ids(ids, vocab_size, f"token sequence {i} of the batch")
+            for i, ids in enumerate(token_ids)], True
+
+
 @dataclasses.dataclass
 class LoadedModel:
+    """A checkpoint's model and parameters, for research: full causal forwards over one sequence or
+    a batch, with captures of what happens inside (``jaxinfer.research``). Inputs are padded to
+    power-of-two buckets, so a new length within a bucket reuses the forward compiled before."""
+
     path: str
     config: ModelConfig
     model_cls: type
@@ -78,37 +98,55 @@ class LoadedModel:
     params: dict
     mesh: jax.sharding.Mesh
     dtype: type
-    _forwards: dict = dataclasses.field(default_factory=dict, repr=False)
+    _forwards: dict = dataclasses.field(default_factory=dict, repr=False)  # the compiled research programs
 
     def apply(self, token_ids, md: AttentionMetadata, caches, *, all_logits: bool = False):
         """The pure model function: (params, inputs, caches) -> (float32 logits, caches)."""
         return self.model.apply({"params": self.params}, token_ids, md, caches, all_logits=all_logits)
 
-    def _full_forward(self):
-        """The jitted one-sequence forward for the kernel selection in force (choices are made while
-        tracing, so each selection has its own)."""
-        chosen = kernel_registry.selection(kernel_registry.target_for(self.mesh))
-        if chosen not in self._forwards:
-            def run(params, token_ids):
-                t = token_ids.shape[0]
-                page_size = 16
-                num_pages = -(-t // page_size)
-                layout = CacheLayout(self.model_cls.cache_specs(self.config), page_size, num_pages, self.dtype,
-                                     num_slots=1)
-                md = build_metadata(jnp.zeros((1,), jnp.int32), jnp.full((1,), t, jnp.int32),
-                                    jnp.arange(num_pages, dtype=jnp.int32)[None, :], page_size=page_size,
-                                    num_tokens=t, state_slots=jnp.zeros((1,), jnp.int32), xp=jnp)
-                with kernel_registry.applied(chosen):
-                    logits, _ = self.model.apply({"params": params}, token_ids, md, layout.zeros(), all_logits=True)
-                return logits
+    def logits(self, token_ids):
+        """float32 logits [num_tokens, vocab] of one causal forward over ``token_ids``; for a batch
+        (a list of sequences), a list of them, one per sequence."""
+        sequences, batched = sequences_of(token_ids, self.config.vocab_size)
+        batch, outputs = research_forward.run(self, sequences, CaptureRequest())
+        out = [outputs["logits"][batch.rows(s)] for s in range(len(sequences))]
+        return out if batched else out[0]
 
-            self._forwards[chosen] = jax.jit(run)
-        return self._forwards[chosen]
+    def captures(self) -> dict[str, tuple[int, ...] | None]:
+        """What ``forward`` can capture here: capture name -> the layers that have it (None for
+        ``hidden_states``, which covers every layer). It is itself a ``capture`` of everything."""
+        available = layer_captures(research_forward.decoder_layers(self), self.config)
+        out = {"hidden_states": None}
+        for name in CAPTURES:
+            layers = tuple(i for i, names in enumerate(available) if name in names)
+            if layers:
+                out[name] = layers
+        return out
 
-    def logits(self, token_ids) -> np.ndarray:
-        """float32 logits [num_tokens, vocab] of one causal forward over ``token_ids``."""
-        ids = validate_token_ids(token_ids, self.config.vocab_size, "token sequence")
-        return np.asarray(self._full_forward()(self.params, jnp.asarray(ids, jnp.int32)))
+    def forward(self, token_ids, capture=None):
+        """One causal forward over a sequence (or a batch of sequences of any lengths) -> a
+        ``ForwardResult`` (a list of them for a batch), with logits and the captures asked for.
+
+        ``capture``: a name, a list of names, or ``{name: layers}`` (None: every layer that has it),
+        of ``hidden_states``, ``attentions``, ``router_logits``, ``selected_experts``,
+        ``routing_weights``, ``indexer_selections``, ``recurrent_states``; see ``ForwardResult``.
+        """
+        sequences, batched = sequences_of(token_ids, self.config.vocab_size)
+        request = CaptureRequest()
+        if capture is not None:
+            request = parse_capture(capture, research_forward.decoder_layers(self), self.config)
+        batch, outputs = research_forward.run(self, sequences, request)
+        out = [research_forward.unpack(batch, outputs, request, s, ids) for s, ids in enumerate(sequences)]
+        return out if batched else out[0]
+
+    def prompt_logprobs(self, token_ids):
+        """Each prompt token's log-probability given the tokens before it, ``[None, lp_1, ...,
+        lp_{n-1}]`` as vLLM's ``prompt_logprobs`` (the first token has no prefix); a list of them for
+        a batch."""
+        sequences, batched = sequences_of(token_ids, self.config.vocab_size)
+        batch, outputs = research_forward.run(self, sequences, CaptureRequest(), logits=False, logprobs=True)
+        out = [research_forward.prompt_logprobs(batch, outputs, s) for s in range(len(sequences))]
+        return out if batched else out[0]
 
 
 def open_checkpoint(path: str | os.PathLike):

@@ -48,8 +48,8 @@ def test_default_grid():
     grid = BucketGrid.from_config(config)
     assert grid.token_buckets == (16, 32, 64, 128, 256, 512)
     assert grid.seq_buckets == (1, 2, 4, 8)
-    assert grid.page_buckets == (1, 2, 4, 8, 16, 32)
-    assert len(grid.keys(config)) == 6 + 4 * 6
+    assert grid.page_buckets == (1, 4, 16, 32)  # decode block tables grow x4 (page_bucket_growth)
+    assert len(grid.keys(config)) == 6 + 4 * 4
 
 
 def _reference_filter(x, top_k, top_p, min_p):

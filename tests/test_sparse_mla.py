@@ -97,8 +97,8 @@ def test_the_selections_are_hfs(family, overrides, hf_checkpoint):
 def test_batched_chunked_and_preempted_equal_one_at_a_time(hf_checkpoint):
     path, _ = hf_checkpoint("deepseek_v32", **V32)
     tight = assert_serving_is_consistent(path)
-    # A page of 8 tokens over 2 layers, float32: each token's latent + rope row and its indexer key.
-    assert tight.engine.layout.bytes_per_page == 8 * 2 * ((16 + 8) + 16) * 4
+    # A page of 16 tokens over 2 layers, float32: each token's latent + rope row and its indexer key.
+    assert tight.engine.layout.bytes_per_page == 16 * 2 * ((16 + 8) + 16) * 4
 
 
 def _step(seed=0, heads=4, width=16, page_size=4, lengths=(13, 1, 22), pad=3):

@@ -2,9 +2,16 @@
 
 Every device call the engine makes is one of two programs (a mixed prefill/decode step, a multi-step
 decode loop) at one bucket of shapes. ``CompileKey`` names that bucket. The engine compiles the
-whole grid at start-up and afterwards only calls the compiled executables; with ``strict`` on, a
-missing key raises, and so does any tracing or compilation (``jax.no_tracing`` plus a listener on
-XLA's compile events).
+whole grid at start-up (or loads it from an export, ``jaxinfer.engine.export``) and afterwards only
+calls the compiled executables; with ``strict`` on, a missing key raises, and so does any tracing or
+compilation (``jax.no_tracing`` plus a listener on XLA's compile events).
+
+The grid's axes, and why each is as fine as it is (``scripts/grid_costs.py`` measures them): mixed
+steps bucket the token count in powers of two (a prefill's cost grows with its tokens); decode loops
+bucket the sequence count in powers of two (a decode step of 8 sequences costs ~10% more than one of
+1 on the GPU, of 32 ~35% more) and the block-table width in powers of ``page_bucket_growth``
+(default 4): the GPU decode kernel stops at each sequence's length, so a wider table costs little,
+while each key costs seconds of compilation.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import dataclasses
 
 import jax
 
-from jaxinfer.engine.config import EngineConfig, power_of_two_buckets
+from jaxinfer.engine.config import EngineConfig, geometric_buckets
 from jaxinfer.errors import CompilationAfterWarmupError
 
 MIXED = "mixed"
@@ -41,10 +48,10 @@ class BucketGrid:
     @classmethod
     def from_config(cls, config: EngineConfig) -> "BucketGrid":
         return cls(
-            token_buckets=power_of_two_buckets(min(config.min_token_bucket, config.max_num_batched_tokens),
-                                               config.max_num_batched_tokens),
-            seq_buckets=power_of_two_buckets(1, config.max_num_seqs),
-            page_buckets=power_of_two_buckets(1, config.max_pages_per_seq),
+            token_buckets=geometric_buckets(min(config.min_token_bucket, config.max_num_batched_tokens),
+                                            config.max_num_batched_tokens),
+            seq_buckets=geometric_buckets(1, config.max_num_seqs),
+            page_buckets=geometric_buckets(1, config.max_pages_per_seq, config.page_bucket_growth),
         )
 
     def keys(self, config: EngineConfig) -> list[CompileKey]:
@@ -58,16 +65,44 @@ class BucketGrid:
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # also reported for a persistent-cache read
 _CACHE_READ_EVENT = "/jax/compilation_cache/cache_retrieval_time_sec"
+_TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
+
+
+class CompileCount:
+    """What happened inside a ``CompileGuard.counting()`` block, so far. Calling it gives the
+    programs XLA compiled (persistent-cache reads not counted)."""
+
+    def __init__(self, guard: "CompileGuard"):
+        self._guard = guard
+        self._start = (guard.compiles_while_armed, guard.cache_reads_while_armed, guard.traces_while_armed)
+
+    def __call__(self) -> int:
+        return self.compiled_and_read - self.cache_reads
+
+    @property
+    def compiled_and_read(self) -> int:
+        """Programs handed to XLA: compiled, or read from the persistent compilation cache."""
+        return self._guard.compiles_while_armed - self._start[0]
+
+    @property
+    def cache_reads(self) -> int:
+        return self._guard.cache_reads_while_armed - self._start[1]
+
+    @property
+    def traces(self) -> int:
+        """Python functions traced to jaxprs (``jit``, ``eval_shape``, ...)."""
+        return self._guard.traces_while_armed - self._start[2]
 
 
 class CompileGuard:
-    """Counts XLA compilations while armed; ``serving()`` raises if any happened inside it."""
+    """Counts XLA compilations (and traces) while armed; ``serving()`` raises if any happened inside it."""
 
     _installed: "CompileGuard | None" = None
 
     def __init__(self):
         self.compiles_while_armed = 0  # XLA compilations, persistent-cache reads included
         self.cache_reads_while_armed = 0
+        self.traces_while_armed = 0
         self._armed = 0
 
     @classmethod
@@ -78,19 +113,24 @@ class CompileGuard:
         return cls._installed
 
     def _on_event(self, event: str, duration: float, **kwargs) -> None:
-        if self._armed and event == _COMPILE_EVENT:
+        if not self._armed:
+            return
+        if event == _COMPILE_EVENT:
             self.compiles_while_armed += 1
-        elif self._armed and event == _CACHE_READ_EVENT:
+        elif event == _CACHE_READ_EVENT:
             self.cache_reads_while_armed += 1
+        elif event == _TRACE_EVENT:
+            self.traces_while_armed += 1
 
     @contextlib.contextmanager
     def counting(self):
-        """Yields a function that returns how many programs XLA compiled inside the block, not
-        counting those read from the persistent compilation cache."""
-        start = self.compiles_while_armed - self.cache_reads_while_armed
+        """Yields a ``CompileCount``: called, how many programs XLA compiled inside the block (not
+        counting those read from the persistent compilation cache); its attributes, the cache reads
+        and the traces."""
+        count = CompileCount(self)
         self._armed += 1
         try:
-            yield lambda: self.compiles_while_armed - self.cache_reads_while_armed - start
+            yield count
         finally:
             self._armed -= 1
 

@@ -26,6 +26,9 @@ class EngineConfig:
     max_logprobs: int | None = 5  # the largest SamplingParams.logprobs served; None: logprobs are not served
     max_stop_token_ids: int = 8  # EOS ids + stop_token_ids per request
     min_token_bucket: int = 16
+    # Ratio between the decode loops' block-table buckets (1, g, g^2, ... pages, then the maximum);
+    # 2 gives the finest grid. Each bucket is a compiled program per sequence bucket.
+    page_bucket_growth: int = 4
     strict: bool = False  # raise if anything is traced or compiled after warm-up
     warmup: bool = True  # compile the whole bucket grid at start-up
     compilation_cache: bool = True  # persistent XLA compilation cache: a second start-up reads, not compiles
@@ -41,6 +44,7 @@ class EngineConfig:
         for field in ("max_num_seqs", "max_num_batched_tokens", "page_size", "decode_steps", "min_token_bucket",
                       "max_stop_token_ids"):
             checks.integer(getattr(self, field), name(field), ge=1)
+        checks.integer(self.page_bucket_growth, name("page_bucket_growth"), ge=2)
         for field in ("max_model_len", "num_pages"):
             checks.optional(checks.integer, getattr(self, field), name(field), ge=1)
         checks.optional(checks.integer, self.max_logprobs, name("max_logprobs"), ge=0)
@@ -89,12 +93,12 @@ class EngineConfig:
         return os.path.join(jaxinfer_home(), "xla-cache")
 
 
-def power_of_two_buckets(low: int, high: int) -> tuple[int, ...]:
-    """low, 2*low, 4*low, ... below ``high``, then ``high`` itself."""
+def geometric_buckets(low: int, high: int, growth: int = 2) -> tuple[int, ...]:
+    """low, growth*low, growth^2*low, ... below ``high``, then ``high`` itself."""
     out, b = [], max(1, low)
     while b < high:
         out.append(b)
-        b *= 2
+        b *= growth
     out.append(high)
     return tuple(out)
 

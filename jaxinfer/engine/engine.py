@@ -80,6 +80,15 @@ def _left_after_slots(available: int | None, slot_bytes: int, config: EngineConf
     return available - slot_bytes
 
 
+def plan_cache(config: EngineConfig, layer_specs, dtype, available: int | None) -> tuple[int, int]:
+    """(num_pages, num_slots) of the cache for ``config`` within the ``available`` bytes (see
+    ``plan_num_pages``); ``ConfigError`` when it cannot fit."""
+    num_slots = config.max_num_seqs if CacheLayout.needs_slots(layer_specs) else 0
+    page_bytes = CacheLayout.bytes_per_token_for(layer_specs, dtype) * config.page_size
+    slot_bytes = CacheLayout.bytes_per_sequence_for(layer_specs, dtype) * num_slots
+    return plan_num_pages(config, page_bytes, _left_after_slots(available, slot_bytes, config)), num_slots
+
+
 def _common_window(layer_specs) -> int | None:
     """The sliding window every paged layer reads within, or None if some paged layer reads more."""
     paged = [spec for specs in layer_specs for spec in specs if spec.paged]
@@ -89,19 +98,19 @@ def _common_window(layer_specs) -> int | None:
 
 class Engine:
     """Serves ``model``. ``generation_defaults``: the checkpoint's generation config, when the caller
-    has read it already (else it is read from ``model.path``)."""
+    has read it already (else it is read from ``model.path``). ``programs``: an export's programs
+    (``jaxinfer.engine.export.ProgramSet``) to serve instead of compiling the grid; ``config`` must
+    then be the export's options (``LLM(..., executables=DIR)`` sees to it). With ``warmup`` they
+    are all loaded at start-up, else each on its first use."""
 
     def __init__(self, model: LoadedModel, config: EngineConfig | None = None, *, tokenizer=None,
-                 generation_defaults: GenerationDefaults | None = None):
+                 generation_defaults: GenerationDefaults | None = None, programs=None):
         config = (config or EngineConfig()).for_model(model.config)
         if config.cache_dir():  # first, so every program of the engine is read from it or written to it
             enable_compilation_cache(config.cache_dir())
         self.model = model
         specs = model.model_cls.cache_specs(model.config)
-        num_slots = config.max_num_seqs if CacheLayout.needs_slots(specs) else 0
-        page_bytes = CacheLayout.bytes_per_token_for(specs, model.dtype) * config.page_size
-        config.num_pages = plan_num_pages(config, page_bytes, _left_after_slots(
-            memory.available_bytes(), CacheLayout.bytes_per_sequence_for(specs, model.dtype) * num_slots, config))
+        config.num_pages, num_slots = plan_cache(config, specs, model.dtype, memory.available_bytes())
         self.config = config
         self.layout = CacheLayout(specs, config.page_size, config.num_pages, model.dtype, num_slots)
         self.generation_defaults = generation_defaults or GenerationDefaults.read(model.path, model.config.vocab_size)
@@ -115,8 +124,26 @@ class Engine:
         self._lock = threading.RLock()  # the scheduler's state: steps and aborts from other threads
         self._stepping = False
         self._pending_aborts: set[int] = set()
+        self.first_token_at: float | None = None  # time.perf_counter() when the first token was generated
+        # Seconds per start-up phase: compiling_s is compiling the grid, or loading it from an export.
+        self.startup_seconds: dict[str, float] = {"lowering_s": 0.0, "compiling_s": 0.0, "cache_allocation_s": 0.0}
         self.warmup_seconds = None
-        if config.warmup:
+        if programs is not None:
+            from jaxinfer.engine.export import check_grid
+
+            check_grid(programs.manifest, self.grid, config)
+            start = time.perf_counter()
+            programs.install(self.runner, eager=config.warmup)
+            self.startup_seconds["compiling_s"] = time.perf_counter() - start
+            self.runner.strict = config.strict
+        elif config.warmup:
+            start = time.perf_counter()
+            self.runner.install_allocator(self.runner.compile_lowered(self.runner.lower_allocator()))
+            self.startup_seconds["compiling_s"] += time.perf_counter() - start
+        start = time.perf_counter()
+        self.runner.allocate_caches()
+        self.startup_seconds["cache_allocation_s"] = time.perf_counter() - start
+        if programs is None and config.warmup:
             self.warmup()
 
     # ---- start-up ------------------------------------------------------------------------------
@@ -137,6 +164,7 @@ class Engine:
         for key in keys:
             lowered.append(self.runner.lower(key))
             progress and progress.update()
+        lowered_at = time.perf_counter()
 
         def compile_one(item):
             key, program = item
@@ -149,7 +177,10 @@ class Engine:
                 self.runner.add_executable(key, executable)
         if progress:
             progress.close()
-        self.warmup_seconds = time.perf_counter() - start
+        done = time.perf_counter()
+        self.warmup_seconds = done - start
+        self.startup_seconds["lowering_s"] += lowered_at - start
+        self.startup_seconds["compiling_s"] += done - lowered_at
         self.runner.strict = self.config.strict
 
     # ---- requests ------------------------------------------------------------------------------
@@ -301,6 +332,8 @@ class Engine:
 
     def _append(self, r: Request, token: int, logprobs, index) -> bool:
         """Record one generated token; finish the request if it hit a stop condition."""
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
         r.output_token_ids.append(token)
         if r.params.logprobs is not None and logprobs is not None:
             sampled, top_ids, top_values = (buf[index] for buf in logprobs)

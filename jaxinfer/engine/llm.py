@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from jaxinfer import checks
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine.aot import enable_compilation_cache
+from jaxinfer.engine.aot import CompileGuard, enable_compilation_cache
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.sampling import SamplingParams
+from jaxinfer.engine.startup import StartupReport, process_age
 from jaxinfer.errors import ConfigError, InvalidRequestError, TokenizerUnavailableError
 from jaxinfer.generation_config import GenerationDefaults
 from jaxinfer.loader import load_model
@@ -44,28 +46,75 @@ class LLM:
     ``LLM(path, dtype="bfloat16", max_model_len=4096)``; any ``EngineConfig`` field can be passed as
     a keyword (``max_num_seqs=16``, ``strict=True``, ...), or a whole ``engine_config``.
     ``skip_tokenizer_init=True`` serves token ids only, without loading the tokenizer.
+
+    ``executables=EXPORT_DIR`` serves the programs of an export (``LLM.export``, ``jaxinfer export``)
+    instead of compiling: nothing is traced or compiled (``warmup=False``: each program is
+    deserialized on its first use instead of at start-up). The export fixes the options its programs
+    depend on; options left out take its values, options given must agree with them. An export made
+    for another checkpoint, config, option, jax version or device is refused before anything is
+    loaded (``ExportMismatchError``). An export directory must be trusted like code (its executables
+    are pickles).
+
+    ``startup_report`` says where start-up time went (``jaxinfer.engine.startup.StartupReport``).
     """
 
     def __init__(self, model: str | os.PathLike, dtype: str = "auto", *, engine_config: EngineConfig | None = None,
-                 mesh=None, skip_tokenizer_init: bool = False, **engine_options):
+                 mesh=None, skip_tokenizer_init: bool = False, executables: str | os.PathLike | None = None,
+                 **engine_options):
+        started = time.perf_counter()
+        self.startup_report = StartupReport(imports_s=process_age())
         path = os.fspath(model)
         config = engine_config or EngineConfig()
         unknown = set(engine_options) - {f.name for f in dataclasses.fields(EngineConfig)}
         if unknown:
             raise ConfigError(f"unknown LLM options {sorted(unknown)}; the engine options are the fields of "
                               "jaxinfer.EngineConfig")
+        explicit = _explicit_options(engine_config, engine_options)
         config = dataclasses.replace(config, **engine_options)
-        # Everything that can be wrong with the options, the tokenizer and the generation config is
-        # found before the weights are read.
+        # Everything that can be wrong with the options, the export, the tokenizer and the generation
+        # config is found before the weights are read.
         config.validate()
-        model_config = ModelConfig.from_pretrained(path)
-        config = config.for_model(model_config)
-        self.tokenizer = None if checks.boolean(skip_tokenizer_init, "skip_tokenizer_init") else load_tokenizer(path)
-        generation = GenerationDefaults.read(path, model_config.vocab_size)
-        if config.cache_dir():  # before loading: the weight checks compile too
-            enable_compilation_cache(config.cache_dir())
-        self.model = load_model(path, dtype, mesh=mesh, progress=config.show_progress)
-        self.engine = Engine(self.model, config, tokenizer=self.tokenizer, generation_defaults=generation)
+        with CompileGuard.get().counting() as count:
+            if executables is not None:
+                from jaxinfer.engine.export_loading import open_export
+
+                export = open_export(os.fspath(executables), path, dtype, explicit, config, mesh)
+                config, model_config = export.config, export.model_config
+            else:
+                export = None
+                model_config = ModelConfig.from_pretrained(path)
+                config = config.for_model(model_config)
+            self.tokenizer = None if checks.boolean(skip_tokenizer_init, "skip_tokenizer_init") else load_tokenizer(path)
+            generation = GenerationDefaults.read(path, model_config.vocab_size)
+            if config.cache_dir():  # before loading: the weight checks compile too
+                enable_compilation_cache(config.cache_dir())
+            if export is not None:
+                self.model = export.load_model(progress=config.show_progress)
+            else:
+                self.model = load_model(path, dtype, mesh=mesh, progress=config.show_progress)
+            loaded = time.perf_counter()
+            self.engine = Engine(self.model, config, tokenizer=self.tokenizer, generation_defaults=generation,
+                                 programs=None if export is None else export.programs)
+        report, phases = self.startup_report, self.engine.startup_seconds
+        report.config_and_weights_s = loaded - started
+        report.cache_allocation_s = phases["cache_allocation_s"]
+        report.lowering_s = phases["lowering_s"]
+        report.compiling_s = phases["compiling_s"]
+        report.programs_compiled, report.programs_from_cache = count(), count.cache_reads
+        if export is not None:
+            report.source = "export"
+            report.programs_from_export = export.programs.num_loaded
+
+    def export(self, directory: str | os.PathLike, *, portable: bool = False):
+        """Write this engine's programs (the whole grid, compiled afresh: an executable read from the
+        persistent compilation cache cannot be serialized again) and their manifest to ``directory``
+        (see ``jaxinfer.engine.export``); serve them with ``LLM(path, executables=directory)``.
+        ``portable``: StableHLO (``jax.export``) for every program whose custom calls are all
+        export-stable. -> the ``Manifest``."""
+        from jaxinfer.engine.export import write_export
+
+        return write_export(self.engine, os.fspath(directory), portable=checks.boolean(portable, "portable"),
+                            progress=self.engine.config.show_progress)
 
     @property
     def config(self):
@@ -145,6 +194,7 @@ class LLM:
         if len(params_list) != len(parsed):
             raise InvalidRequestError(f"{len(params_list)} sampling_params for {len(parsed)} prompts")
         requests = [self.engine.make_request(ids, p, prompt=text) for (text, ids), p in zip(parsed, params_list)]
+        called = time.perf_counter()
         try:
             for r in requests:
                 self.engine.add(r)
@@ -152,11 +202,20 @@ class LLM:
         except BaseException:
             self.engine.abort(r.request_id for r in requests)
             raise
+        finally:
+            self._note_first_token(called)
         return [
             GenerationOutput(r.request_id, r.prompt, r.prompt_token_ids, r.text, list(r.output_token_ids),
                              r.finish_reason, r.output_logprobs if r.params.logprobs is not None else None)
             for r in requests
         ]
+
+    def _note_first_token(self, called: float) -> None:
+        report, first = self.startup_report, self.engine.first_token_at
+        if report.first_token_s is None and first is not None:
+            report.first_token_s = max(0.0, first - called)
+            age = process_age()
+            report.to_first_token_s = None if age is None else max(0.0, age - (time.perf_counter() - first))
 
     def abort(self, request_ids: int | Iterable[int]) -> None:
         """Abort requests by id (from another thread, while ``generate`` runs): they finish with
@@ -176,3 +235,16 @@ class LLM:
         id_lists = render_chat(tokenizer, conversations, checks.boolean(add_generation_prompt, "add_generation_prompt",
                                                                         error=InvalidRequestError))
         return self.generate(sampling_params=sampling_params, prompt_token_ids=id_lists)
+
+
+def _explicit_options(engine_config: EngineConfig | None, engine_options: dict) -> dict:
+    """The engine options the caller set: the keywords, and the fields of ``engine_config`` that
+    differ from the defaults."""
+    given = dict(engine_options)
+    if engine_config is not None:
+        defaults = EngineConfig()
+        for field in dataclasses.fields(EngineConfig):
+            value = getattr(engine_config, field.name)
+            if field.name not in given and value != getattr(defaults, field.name):
+                given[field.name] = value
+    return given

@@ -8,7 +8,9 @@
 
 Both donate the KV caches, so the cache is updated in place. Inputs are built on the host as numpy
 arrays padded to a ``CompileKey`` bucket; the compiled executable for that key is looked up (compiled
-at warm-up), never traced at serving time.
+at warm-up, or installed from an export), never traced at serving time. A third, small program
+allocates the zero-filled caches on the devices in their shardings (also compiled ahead of time, so
+that re-making the caches after a failed step compiles nothing, and an export can carry it).
 
 Kernels are chosen for the runner's target (its mesh's devices) and the selection in force when it
 was made (``jaxinfer.kernels.registry``); ``kernel_choices`` keeps each program's. Every model call
@@ -68,13 +70,17 @@ def _sampling_rows(requests: list[Request], num_rows: int) -> SamplingBatch:
 
 
 class ModelRunner:
+    """The programs of one engine and the caches they update. ``allocate_caches()`` makes the
+    caches (the engine calls it once its programs are in place)."""
+
     def __init__(self, model: LoadedModel, config: EngineConfig, layout: CacheLayout):
         self.model = model
         self.config = config
         self.layout = layout
-        self.caches = layout.allocate(model.mesh)
+        self.caches = None
         self._call_in_flight = False  # a call was given the caches and has not handed new ones back
         self._executables: dict[CompileKey, jax.stages.Compiled] = {}
+        self._allocator: jax.stages.Compiled | None = None
         self.strict = False  # set once the warm-up is done, in strict mode
         self.compiler_options: dict[str, str | int | bool] = {}  # XLA options for every executable compiled here
         self.next_call_id = 0  # the KernelContext call id of the next model call
@@ -200,17 +206,30 @@ class ModelRunner:
 
     # ---- compilation and calls -----------------------------------------------------------------
 
-    def lower(self, key: CompileKey) -> jax.stages.Lowered:
-        """Trace and lower the program of ``key`` against abstract, sharded inputs."""
+    def abstract_params(self):
+        """The parameters as sharded ``ShapeDtypeStruct``s."""
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+                            self.model.params)
+
+    def abstract_args(self, key: CompileKey) -> tuple:
+        """``(params, caches, *inputs)`` of the program of ``key``, as sharded ``ShapeDtypeStruct``s
+        (built on the host: nothing is traced)."""
         mesh = self.model.mesh
-        as_abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))  # noqa: E731
-        params = jax.tree.map(as_abstract, self.model.params)
-        caches = self.layout.abstract(mesh)
         inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated(mesh)),
                               self._example_inputs(key))
+        return (self.abstract_params(), self.layout.abstract(mesh), *inputs)
+
+    def traced_program(self, kind: str):
+        """The jitted program of ``kind`` (``MIXED`` / ``DECODE``), to lower or export. Trace it
+        under ``kernel_registry.applied(self.kernel_selection)``: kernels are chosen while tracing."""
+        return self._programs[kind]
+
+    def lower(self, key: CompileKey) -> jax.stages.Lowered:
+        """Trace and lower the program of ``key`` against abstract, sharded inputs."""
+        args = self.abstract_args(key)
         self._fault_sources = ()
         with kernel_registry.applied(self.kernel_selection), kernel_registry.recording() as chosen:
-            lowered = self._programs[key.kind].lower(params, caches, *inputs)
+            lowered = self._programs[key.kind].lower(*args)
         if key not in self.kernel_choices:  # a key lowered again reuses its trace: nothing is recorded then
             self.kernel_choices[key] = {op: sorted(names) for op, names in sorted(chosen.items())}
             self._fault_reporters[key] = self._fault_sources
@@ -218,6 +237,48 @@ class ModelRunner:
 
     def add_executable(self, key: CompileKey, executable: jax.stages.Compiled) -> None:
         self._executables[key] = executable
+
+    def install(self, key: CompileKey, executable, kernel_choices: dict[str, list[str]],
+                fault_reporters: tuple[str, ...]) -> None:
+        """Serve ``key`` with a program made elsewhere (an export), with what its trace recorded."""
+        self._executables[key] = executable
+        self.kernel_choices[key] = {op: list(names) for op, names in kernel_choices.items()}
+        self._fault_reporters[key] = tuple(fault_reporters)
+
+    def fault_reporters(self, key: CompileKey) -> tuple[str, ...]:
+        """The kernels of ``key``'s program that may report a fault (recorded when it was traced)."""
+        return self._fault_reporters.get(key, ())
+
+    # ---- the caches ----------------------------------------------------------------------------
+
+    def _zero_caches(self):
+        abstract = self.layout.abstract(self.model.mesh)
+        return [{name: jnp.zeros(s.shape, s.dtype) for name, s in layer.items()} for layer in abstract]
+
+    def allocator_program(self):
+        """The jitted program that makes the zero-filled caches (zeros, so stale or unused pages and
+        slots never hold NaNs) on the devices, in their shardings."""
+        shardings = [{name: s.sharding for name, s in layer.items()} for layer in self.layout.abstract(self.model.mesh)]
+        return jax.jit(self._zero_caches, out_shardings=shardings)
+
+    def lower_allocator(self) -> jax.stages.Lowered:
+        return self.allocator_program().lower()
+
+    @property
+    def allocator(self) -> jax.stages.Compiled | None:
+        return self._allocator
+
+    def install_allocator(self, executable) -> None:
+        self._allocator = executable
+
+    def allocate_caches(self) -> None:
+        """Make the caches with the allocating program (compiled here, or through the persistent
+        compilation cache, the first time unless one was installed)."""
+        if self._allocator is None:
+            if self.strict:
+                raise CompilationAfterWarmupError("strict mode: the cache allocation was not compiled at warm-up")
+            self._allocator = self.compile_lowered(self.lower_allocator())
+        self.caches = self._allocator()
 
     def compile_lowered(self, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
         """XLA-compile a lowered program with this runner's ``compiler_options``."""
@@ -260,7 +321,7 @@ class ModelRunner:
         self._call_in_flight = False
         if not any(leaf.is_deleted() for leaf in jax.tree.leaves(self.caches)):
             return False
-        self.caches = self.layout.allocate(self.model.mesh)
+        self.allocate_caches()
         return True
 
     def run_mixed(self, key: CompileKey, items: list[tuple[Request, int]]):

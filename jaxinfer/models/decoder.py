@@ -24,6 +24,7 @@ from jaxinfer.cache.specs import CacheSpec
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import ConfigError
 from jaxinfer.models.base import CausalLM
+from jaxinfer.models.layers import capture
 from jaxinfer.models.layers.activations import get_activation
 from jaxinfer.models.layers.linear import Embedding, Linear
 from jaxinfer.models.layers.mlp import GatedMLP
@@ -200,7 +201,9 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """HF's ``model.*``: embeddings, layers, final norm."""
+    """HF's ``model.*``: embeddings, layers, final norm. A research forward can have it record the
+    hidden states (``capture.HIDDEN_STATES``): the layers' input, each layer's output (its two
+    streams summed) and the final norm's output."""
 
     config: ModelConfig
     spec: DecoderSpec
@@ -220,15 +223,22 @@ class DecoderModel(nn.Module):
             rotary = layer.mixer.rotary(c)
             if rotary is not None and rotary not in tables:
                 tables[rotary] = rotary.cos_sin(md.positions, seq_len_of_token)
+        hidden_states = capture.wanted(self, capture.HIDDEN_STATES)
+        if hidden_states:
+            capture.record(self, capture.HIDDEN_STATES, "embeddings", x)
         new_caches, residual, across_layers = [], None, {}
         for i, layer in enumerate(self.spec.layers):
             rotary = layer.mixer.rotary(c)
             x, residual, cache = DecoderLayer(c, layer, self.spec.norm, self.param_dtype, name=f"layers_{i}")(
                 x, residual, caches[i], md, tables.get(rotary), across_layers)
             new_caches.append(cache)
+            if hidden_states:
+                capture.record(self, capture.HIDDEN_STATES, "layer_outputs", x if residual is None else x + residual)
         final_norm = RMSNorm(c.rms_norm_eps, unit_offset=self.spec.norm.unit_offset,
                              float32_weight=self.spec.norm.float32_weight, param_dtype=self.param_dtype, name="norm")
         x = final_norm(x) if residual is None else final_norm(x, residual)[0]
+        if hidden_states:
+            capture.record(self, capture.HIDDEN_STATES, "final", x)
         return x, embed, new_caches
 
 

@@ -15,6 +15,8 @@ from jaxinfer.cache.specs import PagedKV
 from jaxinfer.errors import ConfigError
 from jaxinfer.kernels import attention as attention_ops
 from jaxinfer.kernels import linear as linear_ops
+from jaxinfer.models.layers import capture
+from jaxinfer.models.layers.attention_probs import paged_attention_probs
 from jaxinfer.models.layers.linear import Linear, LinearParams
 from jaxinfer.models.layers.norm import NormWeight, PreNorm, RMSNorm
 from jaxinfer.models.layers.rope import RotaryEmbedding
@@ -34,6 +36,7 @@ class GQA:
     output_gate: bool = False  # q_proj gives per head [q | gate]; out * sigmoid(gate) before o_proj (Qwen3-Next)
     rope_layer_type: str | None = None  # whose RoPE, where rope_parameters are given per layer type
     name: str = "self_attn"  # the module's name in the checkpoint
+    captures = (capture.ATTENTIONS,)  # what the layer records for a research forward
 
     def cache_specs(self, config) -> tuple[PagedKV, ...]:
         return (PagedKV(config.num_key_value_heads, config.head_dim, self.sliding_window),)
@@ -128,6 +131,9 @@ class PagedGQAttention(nn.Module):
                                                                    md.slot_mapping, **norms)
             out = attention_ops.ragged_paged_attention(q, k_cache, v_cache, md.positions, md.token_seq_ids,
                                                        md.block_tables, md.seq_lens, **options)
+            if capture.wanted(self, capture.ATTENTIONS):
+                capture.record(self, capture.ATTENTIONS, "probs", paged_attention_probs(
+                    q, k_cache, md.positions, md.token_seq_ids, md.block_tables, md.seq_lens, **options))
         out = out.reshape(t, q_size)
         if gate is not None:
             out = out * jax.nn.sigmoid(gate)

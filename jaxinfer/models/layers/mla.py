@@ -35,6 +35,8 @@ from jaxinfer.kernels import mla as mla_ops
 from jaxinfer.kernels import norm as norm_ops
 from jaxinfer.kernels import sparse_mla as sparse_ops
 from jaxinfer.kernels.math import apply_rotary, apply_rotary_interleaved
+from jaxinfer.models.layers import capture
+from jaxinfer.models.layers.attention_probs import latent_attention_probs
 from jaxinfer.models.layers.linear import Linear, LinearParams
 from jaxinfer.models.layers.norm import LayerNorm, PreNorm, RMSNorm
 from jaxinfer.models.layers.rope import RotaryEmbedding
@@ -83,6 +85,11 @@ class MLA:
     def across_layers(self) -> bool:
         """Whether the layer hands a sparse-attention selection to the layers after it, or takes one."""
         return self.indexer is not None or self.shares_selection
+
+    @property
+    def captures(self) -> tuple[str, ...]:
+        """What the layer records for a research forward."""
+        return (capture.ATTENTIONS, capture.INDEXER) if self.indexer is not None else (capture.ATTENTIONS,)
 
     def validate(self, config) -> None:
         """The indexer's constraints (its queries come from the q latent; it rotates the first
@@ -178,6 +185,11 @@ class MultiHeadLatentAttention(nn.Module):
         else:
             out = mla_ops.mla_ragged_paged_attention(q_latent, q_rope, latent_cache, md.positions, md.token_seq_ids,
                                                      md.block_tables, md.seq_lens, scale=scale, valid=md.valid)
+        if capture.wanted(self, capture.ATTENTIONS):
+            selected = across_layers[SELECTION] if s.across_layers else None
+            capture.record(self, capture.ATTENTIONS, "probs", latent_attention_probs(
+                q_latent, q_rope, latent_cache, md.positions, md.token_seq_ids, md.block_tables, scale=scale,
+                selected_slots=selected))
         values = jnp.einsum("thr,hvr->thv", out, w_uv, preferred_element_type=jnp.float32).astype(q.dtype)
         out = Linear(hidden, s.attention_bias, self.param_dtype, name="o_proj")(values.reshape(t, heads * s.v_head_dim))
         return out, new_cache, residual
@@ -204,4 +216,6 @@ class LightningIndexer(nn.Module):
         cache = sparse_ops.write_index_keys(cache, k, md.slot_mapping)
         slots = sparse_ops.indexer_select(q, weights * s.num_heads ** -0.5, cache, md.positions, md.token_seq_ids,
                                           md.block_tables, scale=s.head_dim ** -0.5, top_k=s.top_k)
+        if capture.wanted(self, capture.INDEXER):
+            capture.record(self, capture.INDEXER, "selected_slots", slots)
         return slots, cache

@@ -22,7 +22,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.kernels import linear as linear_ops
 from jaxinfer.kernels import moe as moe_ops
+from jaxinfer.kernels import norm as norm_ops
+from jaxinfer.models.layers import capture
 from jaxinfer.models.layers.linear import Linear, LinearParams
 from jaxinfer.models.layers.mlp import GatedMLP
 
@@ -81,6 +84,11 @@ class SparseMoE(nn.Module):
     hidden_act: str = "silu"
     param_dtype: jnp.dtype = jnp.float32
 
+    def _record_routing(self, logits, weights, ids):
+        if capture.wanted(self, capture.ROUTING):
+            for name, value in (("router_logits", logits), ("selected_experts", ids), ("routing_weights", weights)):
+                capture.record(self, capture.ROUTING, name, value)
+
     @nn.compact
     def __call__(self, x, block=None):
         spec = self.spec
@@ -88,6 +96,10 @@ class SparseMoE(nn.Module):
             residual, norm_weight, eps, kernel_context = block
             router, _ = LinearParams(spec.num_experts, False, self.param_dtype, name=spec.router_name)(x.shape[-1])
             gate, up, down = Experts(spec, x.shape[-1], self.param_dtype, name="experts").weights()
+            if capture.wanted(self, capture.ROUTING):  # the block op routes inside: route again, as it does
+                normed, _ = norm_ops.add_rms_norm(x, residual, norm_weight, eps)
+                (logits,) = linear_ops.project(normed, [router])
+                self._record_routing(logits, *route(logits, spec))
             return moe_ops.moe_block(x, residual, norm_weight, router, gate, up, down, eps=eps, top_k=spec.top_k,
                                      norm_topk_prob=spec.norm_topk_prob, context=kernel_context)
         if spec.router_float32:
@@ -100,6 +112,7 @@ class SparseMoE(nn.Module):
         # float32 weights: the expert op rounds them to x's dtype, as HF casts them (rounding there
         # spares a separate cast kernel between the router and the experts).
         weights, ids = route(logits, spec, correction)
+        self._record_routing(logits, weights, ids)
         out = Experts(spec, x.shape[-1], self.param_dtype, name="experts")(x, ids, weights)
         if spec.shared_intermediate_size:
             shared, _ = GatedMLP(spec.shared_intermediate_size, self.hidden_act, False, self.param_dtype,
