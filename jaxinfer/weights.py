@@ -324,26 +324,31 @@ def check_checkpoint(checkpoint: SafetensorsCheckpoint, model_cls, config: Model
     return sources
 
 
-_all_finite = jax.jit(lambda arrays: [jnp.all(jnp.isfinite(a)) for a in arrays])
+def all_finite(arrays) -> list:
+    """One bool per array: no NaN / Inf in it (the loaded weights' check; an export compiles it too)."""
+    return [jnp.all(jnp.isfinite(a)) for a in arrays]
 
 
-def check_finite(params, sources: dict) -> None:
-    """``CheckpointError`` naming every loaded tensor that holds NaN or Inf (after the cast to its
-    serving dtype): one reduction per parameter on the device, one result fetched."""
-    flat = traverse_util.flatten_dict(params)
-    finite = jax.device_get(_all_finite(list(flat.values())))
+_all_finite = jax.jit(all_finite)
+
+
+def check_finite(flat: dict, sources: dict, all_finite=None) -> None:
+    """``CheckpointError`` naming every loaded tensor of ``flat`` ({param path: array}) that holds NaN
+    or Inf (after the cast to its serving dtype): one reduction per parameter on the device, one
+    result fetched. ``all_finite``: that reduction (arrays -> one bool each, in ``flat``'s order);
+    by default the jitted one here, an export brings its own compiled one."""
+    finite = jax.device_get((all_finite or _all_finite)(list(flat.values())))
     bad = [", ".join(sources[path].names) + f" ({flat[path].dtype})"
            for path, ok in zip(flat, finite) if not ok]
     if bad:
         raise CheckpointError(f"tensors hold NaN or Inf values (as loaded): {_describe(sorted(bad))}")
 
 
-def load_params(checkpoint: SafetensorsCheckpoint, model_cls, config: ModelConfig, dtype, mesh, *,
-                progress: bool = False):
-    """Check, then stream every tensor into a device array with its ``NamedSharding``; then refuse
-    non-finite weights."""
-    expected = expected_params(model_cls, config, dtype)
-    sources = check_checkpoint(checkpoint, model_cls, config, expected)
+def stream_params(checkpoint: SafetensorsCheckpoint, sources: dict, expected: dict, shardings: dict, *,
+                  progress: bool = False) -> dict:
+    """{param path: device array}: each checked tensor streamed into its sharding (only the
+    device's slice read), in the dtype the model declares for it (the serving dtype, or float32
+    where a model keeps one in full precision)."""
     items = list(expected.items())
     if progress:
         from tqdm.auto import tqdm
@@ -352,13 +357,20 @@ def load_params(checkpoint: SafetensorsCheckpoint, model_cls, config: ModelConfi
     flat = {}
     for param_path, struct in items:
         source = sources[param_path]
-        sharding = param_sharding(param_path, struct.shape, mesh)
-        # Each parameter takes the dtype the model declares for it (the serving dtype, or float32 where
-        # a model keeps one in full precision).
         flat[param_path] = jax.make_array_from_callback(
-            struct.shape, sharding,
+            struct.shape, shardings[param_path],
             lambda index, source=source, dtype=np.dtype(struct.dtype): source.read(checkpoint, index).astype(dtype),
         )
-    params = traverse_util.unflatten_dict(flat)
-    check_finite(params, sources)
-    return params
+    return flat
+
+
+def load_params(checkpoint: SafetensorsCheckpoint, model_cls, config: ModelConfig, dtype, mesh, *,
+                progress: bool = False):
+    """Check, then stream every tensor into a device array with its ``NamedSharding``; then refuse
+    non-finite weights."""
+    expected = expected_params(model_cls, config, dtype)
+    sources = check_checkpoint(checkpoint, model_cls, config, expected)
+    shardings = {path: param_sharding(path, struct.shape, mesh) for path, struct in expected.items()}
+    flat = stream_params(checkpoint, sources, expected, shardings, progress=progress)
+    check_finite(flat, sources)
+    return traverse_util.unflatten_dict(flat)

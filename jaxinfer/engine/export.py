@@ -38,16 +38,12 @@ from jaxinfer.engine.manifest import (ALLOCATE, CHECK_FINITE, EXECUTABLE, MANIFE
                                       Manifest, ProgramEntry, config_fingerprint, environment, spec_to_json,
                                       weights_fingerprint)
 from jaxinfer.errors import ExportError, ExportMismatchError
+from jaxinfer import weights
 from jaxinfer.kernels import registry as kernel_registry
 
-__all__ = ["ProgramSet", "all_finite", "write_export"]
+__all__ = ["ProgramSet", "write_export"]
 
 PROGRAMS_DIR = "programs"
-
-
-def all_finite(arrays):
-    """One bool per array: no NaN / Inf in it (the loaded weights' check)."""
-    return [jnp.all(jnp.isfinite(a)) for a in arrays]
 
 
 def _file_name(name: str, key: CompileKey | None, form: str) -> str:
@@ -187,7 +183,7 @@ def write_export(engine, directory: str, *, portable: bool = False, progress: bo
         programs.append((str(key), key, jax.jit(_flat_inputs(runner.traced_program(key.kind), tree),
                                                 donate_argnums=(1,)), (params, caches, *leaves)))
     programs.append((ALLOCATE, None, runner.allocator_program(), ()))
-    programs.append((CHECK_FINITE, None, jax.jit(all_finite), (flat_params,)))
+    programs.append((CHECK_FINITE, None, jax.jit(weights.all_finite), (flat_params,)))
 
     for key in keys:
         if key not in runner.kernel_choices:

@@ -16,9 +16,9 @@ import numpy as np
 from flax import traverse_util
 from jax.sharding import NamedSharding
 
+from jaxinfer import weights
 from jaxinfer.engine.manifest import spec_from_json
-from jaxinfer.errors import CheckpointError
-from jaxinfer.weights import check_checkpoint
+from jaxinfer.weights import check_checkpoint, stream_params
 
 
 def expected_params(manifest) -> dict[tuple[str, ...], jax.ShapeDtypeStruct]:
@@ -37,21 +37,7 @@ def load_params(manifest, checkpoint, model_cls, config, mesh, check_finite, *, 
     the export's compiled finiteness check (one bool per parameter, in the manifest's order)."""
     expected = expected_params(manifest)
     sources = check_checkpoint(checkpoint, model_cls, config, expected)
-    items = list(zip(expected.items(), abstract_params(manifest, mesh)))
-    if progress:
-        from tqdm.auto import tqdm
-
-        items = tqdm(items, desc="loading weights", unit="tensor")
-    flat = {}
-    for (path, struct), placed in items:
-        source = sources[path]
-        flat[path] = jax.make_array_from_callback(
-            struct.shape, placed.sharding,
-            lambda index, source=source, dtype=struct.dtype: np.asarray(source.read(checkpoint, index)).astype(dtype),
-        )
-    finite = jax.device_get(check_finite(list(flat.values())))
-    bad = [", ".join(sources[path].names) + f" ({flat[path].dtype})" for path, ok in zip(flat, finite) if not ok]
-    if bad:
-        shown = ", ".join(sorted(bad)[:12]) + (f" ... and {len(bad) - 12} more" if len(bad) > 12 else "")
-        raise CheckpointError(f"tensors hold NaN or Inf values (as loaded): {shown}")
+    shardings = {path: placed.sharding for path, placed in zip(expected, abstract_params(manifest, mesh))}
+    flat = stream_params(checkpoint, sources, expected, shardings, progress=progress)
+    weights.check_finite(flat, sources, check_finite)
     return traverse_util.unflatten_dict(flat)

@@ -56,24 +56,34 @@ def _gather_sequences(cache, block_tables):
     return pages.reshape(kv, s, p * page_size, d).transpose(1, 2, 0, 3)
 
 
-def _attend(q, k, v, visible, *, scale, logit_softcap, sinks):
-    """q [N, kv, g, d]; k, v [N, L, kv, d]; visible [N, L] -> [N, kv, g, d] in q's dtype."""
-    scores = jnp.einsum("nkgd,nlkd->nkgl", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
-    if logit_softcap:
-        scores = logit_softcap * jnp.tanh(scores / logit_softcap)
-    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+def masked_softmax(scores, visible, sinks=None):
+    """Softmax of float32 ``scores`` over the last axis where ``visible`` (broadcast); ``sinks``
+    (broadcast to one extra column) take part and are dropped, so such rows sum to less than 1.
+    Rows with nothing visible (padding) give zeros instead of NaNs."""
+    scores = jnp.where(visible, scores, -jnp.inf)
     if sinks is not None:
-        num_kv, group = q.shape[1], q.shape[2]
-        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(num_kv, group, 1), scores.shape[:-1] + (1,))
-        scores = jnp.concatenate([scores, sink], axis=-1)
-    # Rows with nothing visible (padding) give zeros instead of NaNs.
+        scores = jnp.concatenate([scores, jnp.broadcast_to(sinks, scores.shape[:-1] + (1,))], axis=-1)
     row_max = jnp.max(scores, axis=-1, keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     weights = jnp.exp(scores - row_max)
     denom = jnp.sum(weights, axis=-1, keepdims=True)
     probs = weights / jnp.where(denom == 0, 1.0, denom)
-    if sinks is not None:
-        probs = probs[..., :-1]
+    return probs[..., :-1] if sinks is not None else probs
+
+
+def attention_probs(q, k, visible, *, scale, logit_softcap=None, sinks=None):
+    """q [N, kv, g, d]; k [N, L, kv, d]; visible [N, L] -> float32 probabilities [N, kv, g, L]:
+    scores times ``scale``, soft-capped, softmax over the visible keys (with the sinks [kv * g])."""
+    scores = jnp.einsum("nkgd,nlkd->nkgl", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+    if logit_softcap:
+        scores = logit_softcap * jnp.tanh(scores / logit_softcap)
+    sink = None if sinks is None else sinks.astype(jnp.float32).reshape(q.shape[1], q.shape[2], 1)
+    return masked_softmax(scores, visible[:, None, None, :], sink)
+
+
+def _attend(q, k, v, visible, *, scale, logit_softcap, sinks):
+    """q [N, kv, g, d]; k, v [N, L, kv, d]; visible [N, L] -> [N, kv, g, d] in q's dtype."""
+    probs = attention_probs(q, k, visible, scale=scale, logit_softcap=logit_softcap, sinks=sinks)
     out = jnp.einsum("nkgl,nlkd->nkgd", probs, v.astype(jnp.float32))
     return out.astype(q.dtype)
 
@@ -100,6 +110,21 @@ def ragged_paged_attention(q, k_cache, v_cache, positions, token_seq_ids, block_
     out = _attend(q.reshape(t, kv_heads, heads // kv_heads, d), k, v, visible,
                   scale=scale, logit_softcap=logit_softcap, sinks=sinks)
     return out.reshape(t, heads, d)
+
+
+def ragged_attention_probs(q, k_cache, positions, token_seq_ids, block_tables, seq_lens, *, scale,
+                           sliding_window=None, logit_softcap=None, sinks=None):
+    """The probabilities ``ragged_paged_attention`` weights the values with: float32 [T, heads,
+    pages_per_seq * page_size], each token's row over its sequence's key positions (0 where masked,
+    all 0 for padding tokens)."""
+    t, heads, d = q.shape
+    kv_heads = k_cache.shape[0]
+    seq = jnp.maximum(token_seq_ids, 0)
+    k = _gather_sequences(k_cache, block_tables)[seq]
+    visible = _visible(positions, jnp.where(token_seq_ids >= 0, seq_lens[seq], 0), k.shape[1], sliding_window)
+    probs = attention_probs(q.reshape(t, kv_heads, heads // kv_heads, d), k, visible, scale=scale,
+                            logit_softcap=logit_softcap, sinks=sinks)
+    return probs.reshape(t, heads, k.shape[1])
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale, sliding_window=None,

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jaxinfer.kernels.attention.reference import masked_softmax
+
 
 def write_latent_cache(cache, latent, k_rope, slot_mapping):
     """Scatter ``latent [T, R]`` and ``k_rope [T, P]`` into their cache rows -> the new cache.
@@ -36,21 +38,21 @@ def _gather_sequences(cache, block_tables):
     return pages.reshape(num_seqs, pages_per_seq * page_size, width)
 
 
+def latent_attention_probs(q_latent, q_rope, keys, visible, *, scale):
+    """q_latent [N, H, R], q_rope [N, H, P]; keys [N, L, R + P] (the cache rows each query sees);
+    visible [N, L] -> float32 probabilities [N, H, L], zeros where nothing is visible."""
+    latent_dim = q_latent.shape[-1]
+    keys = jnp.where(visible[..., None], keys.astype(jnp.float32), 0.0)  # whatever the rows past a length hold
+    scores = (jnp.einsum("nhr,nlr->nhl", q_latent.astype(jnp.float32), keys[..., :latent_dim])
+              + jnp.einsum("nhp,nlp->nhl", q_rope.astype(jnp.float32), keys[..., latent_dim:])) * scale
+    return masked_softmax(scores, visible[:, None, :])
+
+
 def _attend_latent(q_latent, q_rope, keys, visible, *, scale):
     """q_latent [N, H, R], q_rope [N, H, P]; keys [N, L, R + P] (the cache rows each query sees);
     visible [N, L] -> [N, H, R] in q_latent's dtype, zeros where nothing is visible."""
-    latent_dim = q_latent.shape[-1]
-    keys = jnp.where(visible[..., None], keys.astype(jnp.float32), 0.0)  # whatever the rows past a length hold
-    latent = keys[..., :latent_dim]
-    k_rope = keys[..., latent_dim:]
-    scores = (jnp.einsum("nhr,nlr->nhl", q_latent.astype(jnp.float32), latent)
-              + jnp.einsum("nhp,nlp->nhl", q_rope.astype(jnp.float32), k_rope)) * scale
-    scores = jnp.where(visible[:, None, :], scores, -jnp.inf)
-    row_max = jnp.max(scores, axis=-1, keepdims=True)
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    weights = jnp.exp(scores - row_max)  # 0 on invisible keys
-    denom = jnp.sum(weights, axis=-1, keepdims=True)
-    probs = weights / jnp.where(denom == 0, 1.0, denom)
+    probs = latent_attention_probs(q_latent, q_rope, keys, visible, scale=scale)
+    latent = jnp.where(visible[..., None], keys[..., :q_latent.shape[-1]].astype(jnp.float32), 0.0)
     return jnp.einsum("nhl,nlr->nhr", probs, latent).astype(q_latent.dtype)
 
 

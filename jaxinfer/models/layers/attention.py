@@ -15,8 +15,8 @@ from jaxinfer.cache.specs import PagedKV
 from jaxinfer.errors import ConfigError
 from jaxinfer.kernels import attention as attention_ops
 from jaxinfer.kernels import linear as linear_ops
+from jaxinfer.kernels.attention import reference as attention_reference
 from jaxinfer.models.layers import capture
-from jaxinfer.models.layers.attention_probs import paged_attention_probs
 from jaxinfer.models.layers.linear import Linear, LinearParams
 from jaxinfer.models.layers.norm import NormWeight, PreNorm, RMSNorm
 from jaxinfer.models.layers.rope import RotaryEmbedding
@@ -132,7 +132,7 @@ class PagedGQAttention(nn.Module):
             out = attention_ops.ragged_paged_attention(q, k_cache, v_cache, md.positions, md.token_seq_ids,
                                                        md.block_tables, md.seq_lens, **options)
             if capture.wanted(self, capture.ATTENTIONS):
-                capture.record(self, capture.ATTENTIONS, "probs", paged_attention_probs(
+                capture.record(self, capture.ATTENTIONS, "probs", attention_reference.ragged_attention_probs(
                     q, k_cache, md.positions, md.token_seq_ids, md.block_tables, md.seq_lens, **options))
         out = out.reshape(t, q_size)
         if gate is not None:
