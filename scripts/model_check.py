@@ -35,14 +35,13 @@ scaled residuals).
 
 ``--smoke`` divides the widths by 8 and the prompts by 10 (fewer tokens per step, so prefill still
 spans several steps): a quick run of the script itself, e.g. on a CPU, where the "kernels" run is
-the reference. XLA's CPU backend cannot run some bfloat16 dots (MLA's absorbed einsums: "Unsupported
-element type for DotThunk::Execute: BF16 x BF16 = F32"); ``--smoke-dtype float32`` runs the
-bfloat16 runs in float32 there, to smoke-test the MLA families' path through the script.
+the reference. ``--smoke-dtype float32`` runs the bfloat16 runs in float32, a smoke test of the
+script's path without bfloat16 rounding.
 
     PYTHONPATH=. python3 scripts/model_check.py          # writes model_check.json to $JAXINFER_BENCH_DIR (or .)
     PYTHONPATH=. python3 scripts/model_check.py --seed 1 # other random checkpoints and prompts
     PYTHONPATH=. python3 scripts/model_check.py --families deepseek_v3 kimi_linear minimax
-    PYTHONPATH=. python3 scripts/model_check.py --smoke --smoke-dtype float32 --families glm_moe_dsa  # CPU
+    PYTHONPATH=. python3 scripts/model_check.py --smoke --families glm_moe_dsa  # a quick run, e.g. on a CPU
 """
 
 from __future__ import annotations
@@ -202,7 +201,7 @@ def main():
     parser.add_argument("--smoke", action="store_true",
                         help="widths / 8, prompts / 10: a quick run of the script (e.g. on a CPU), not a check")
     parser.add_argument("--smoke-dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                        help="with --smoke: the dtype of the bfloat16 runs (float32 where XLA's CPU dots refuse bf16)")
+                        help="with --smoke: the dtype of the bfloat16 runs")
     parser.add_argument("--reference-run", nargs=2, metavar=("DTYPE", "OUT"), help=argparse.SUPPRESS)  # a child
     args = parser.parse_args()
     if args.smoke_dtype != "bfloat16" and not args.smoke:

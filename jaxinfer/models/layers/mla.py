@@ -167,7 +167,7 @@ class MultiHeadLatentAttention(nn.Module):
                                name="kv_b_proj")(s.kv_lora_rank)
         kv_b = kv_b.reshape(heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
         w_uk, w_uv = kv_b[:, :s.qk_nope_head_dim], kv_b[:, s.qk_nope_head_dim:]
-        q_latent = jnp.einsum("thn,hnr->thr", q_nope, w_uk, preferred_element_type=jnp.float32).astype(q.dtype)
+        q_latent = jnp.einsum("thn,hnr->thr", q_nope, w_uk)  # float32 sums, rounded once to the input dtype
         scale = s.softmax_scale or qk_head ** -0.5
         if s.indexer is not None or s.shares_selection:
             if s.indexer is not None:
@@ -190,7 +190,7 @@ class MultiHeadLatentAttention(nn.Module):
             capture.record(self, capture.ATTENTIONS, "probs", latent_attention_probs(
                 q_latent, q_rope, latent_cache, md.positions, md.token_seq_ids, md.block_tables, scale=scale,
                 selected_slots=selected))
-        values = jnp.einsum("thr,hvr->thv", out, w_uv, preferred_element_type=jnp.float32).astype(q.dtype)
+        values = jnp.einsum("thr,hvr->thv", out, w_uv)
         out = Linear(hidden, s.attention_bias, self.param_dtype, name="o_proj")(values.reshape(t, heads * s.v_head_dim))
         return out, new_cache, residual
 
