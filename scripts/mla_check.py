@@ -13,7 +13,9 @@ indexer's 64 heads of 128 and top-k 2048):
   32768: the latent rows every sequence reads (``ctx * (R + P)`` elements) over the kernel's time,
   against the copy bandwidth.
 - **Sparse MLA decode** at context 32768 with top-k 2048, next to dense MLA decode at context 2048
-  (the same rows read), and the indexer's scores + top-k over the 32768 keys of each sequence.
+  (the same rows read), and the indexer's scores + top-k over the 32768 keys of each sequence; the
+  sparse kernel also at each power-of-two ``num_splits`` up to its key blocks (the dispatch's data
+  for steps of few tokens, where one program per token and head block leaves the SMs idle).
 - **Sparse prefill**: every token of one 8192- or 32768-token sequence over its 2048 selected rows
   (``H * (4R + 2P)`` FLOPs per token and row: two score matmuls and the value matmul), and the
   indexer over the prefix of each token.
@@ -196,6 +198,24 @@ def mla_decode_benchmarks(shape, bandwidth, batches=(1, 32, 128), contexts=(2048
     return rows
 
 
+def kernel_by_splits(q_latent, q_rope, cache, slots, scale) -> dict[int, float]:
+    """The sparse attention kernel's time (us) at each power-of-two ``num_splits`` up to its key
+    blocks, where the kernel takes the call."""
+    from jaxinfer.kernels.mla import decode_pallas
+    from jaxinfer.kernels.sparse_mla import attention_pallas
+
+    (num_tokens, num_heads, latent_dim), top_k = q_latent.shape, slots.shape[1]
+    plan = decode_pallas.plan_blocking(num_tokens, num_heads, top_k, latent_dim, q_rope.shape[-1],
+                                       jnp.dtype(cache.dtype).itemsize, num_splits=1)
+    out, splits = {}, 1
+    while splits <= -(-top_k // plan.block_keys) and attention_pallas.supports(q_latent, q_rope, cache, slots,
+                                                                              num_splits=splits):
+        attend = functools.partial(attention_pallas.sparse_mla_attention, scale=scale, num_splits=splits)
+        out[splits] = kernel_time(attend, q_latent, q_rope, cache, slots) * 1e6
+        splits *= 2
+    return out
+
+
 def sparse_decode_benchmarks(shape, bandwidth, dense_rows, batches=(1, 32, 128), context=32768):
     """Sparse MLA decode at ``context`` over ``top_k`` rows, and the indexer's select per step."""
     rows = []
@@ -216,6 +236,7 @@ def sparse_decode_benchmarks(shape, bandwidth, dense_rows, batches=(1, 32, 128),
                    of_copy_bandwidth=read / seconds / bandwidth)
         if batch in dense_at_top_k:
             row["x_dense_decode_at_top_k"] = row["kernel_us"] / dense_at_top_k[batch]
+        row["kernel_us_by_splits"] = kernel_by_splits(q_latent, q_rope, cache, slots, _scale(shape))
         del cache
         q, weights, index_cache, index_tables = indexer_inputs(batch, batch, context, shape, jnp.bfloat16)
         indexer_row, indexer_seconds = _timed(sparse_mla.indexer_select_op, select_options, q, weights, index_cache,

@@ -325,14 +325,18 @@ def test_mla_decode_kernels_trigger_the_next_launch_early():
             assert _lower_for_gpu(fn, *args).count(_TRIGGER) == 1
 
 
-@pytest.mark.parametrize("tokens, heads, top_k", [(1, 128, 2048), (64, 16, 2048), (4096, 128, 512)])
-def test_sparse_mla_attention_lowers(tokens, heads, top_k):
-    """Each token over its selected latent rows: decode at DeepSeek-V3.2's shape, a prefill chunk of
-    one 8-way tensor-parallel shard, a long chunk with fewer slots."""
-    text = _lower_for_gpu(functools.partial(sparse_attention_pallas.sparse_mla_attention, scale=0.1),
+@pytest.mark.parametrize("tokens, heads, top_k, num_splits",
+                         [(1, 128, 2048, 1), (1, 128, 2048, 16), (64, 16, 2048, 1), (4096, 128, 512, 1)])
+def test_sparse_mla_attention_lowers(tokens, heads, top_k, num_splits):
+    """Each token over its selected latent rows: decode at DeepSeek-V3.2's shape, in one program per
+    head block and in 16 splits and their merge; a prefill chunk of one 8-way tensor-parallel shard;
+    a long chunk with fewer slots."""
+    text = _lower_for_gpu(functools.partial(sparse_attention_pallas.sparse_mla_attention, scale=0.1,
+                                            num_splits=num_splits),
                           S((tokens, heads, 512), BF16), S((tokens, heads, 64), BF16), S((1024, 64, 576), BF16),
                           S((tokens, top_k), I32))
     assert "sparse_mla_attention" in text
+    assert ("sparse_mla_combine" in text) == (num_splits > 1)
 
 
 @pytest.mark.parametrize("tokens, pages_per_seq", [(1, 512), (32, 128)])

@@ -211,10 +211,12 @@ def test_a_long_prompt_prefill_stays_within_its_tiles():
         assert temp < bound < dense_scores_per_head, temp
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
-def test_sparse_attention_kernel_equals_the_reference(dtype, tol):
+def test_sparse_attention_kernel_equals_the_reference(dtype, tol, num_splits):
     """Interpret mode: 20 heads (two head blocks, the second padded), 40 slots (three key blocks of
-    16), a token with a short selection and one with none."""
+    16), a token with a short selection and one with none; in one program per token and head block,
+    and in three splits merged (four partial slots allocated, the last never written)."""
     rng = np.random.RandomState(4)
     t, heads, latent, rope, num_pages, page_size, k = 5, 20, 32, 16, 6, 8, 40
     cache = jnp.asarray(rng.randn(num_pages, page_size, latent + rope), dtype)
@@ -225,7 +227,8 @@ def test_sparse_attention_kernel_equals_the_reference(dtype, tol):
     slots[3] = -1
     args = (q_latent, q_rope, cache, jnp.asarray(slots))
     assert attention_pallas.supports(*args, scale=0.2)
-    got = attention_pallas.sparse_mla_attention(*args, scale=0.2, interpret=True, block_keys=16)
+    got = attention_pallas.sparse_mla_attention(*args, scale=0.2, interpret=True, block_keys=16,
+                                                num_splits=num_splits)
     want = reference.sparse_mla_attention(*args, scale=0.2)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
     np.testing.assert_array_equal(np.asarray(got[3], np.float32), 0.0)

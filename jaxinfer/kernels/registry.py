@@ -29,6 +29,8 @@ import jax
 
 from jaxinfer.errors import KernelNotSupportedError
 
+DEFAULT_SM_COUNT = 132  # an H100's or H200's SMs: tiling for a GPU that does not say (interpret mode, lowering on a CPU)
+
 
 @dataclasses.dataclass(frozen=True)
 class Target:
@@ -45,6 +47,11 @@ class Target:
     @property
     def gpu(self) -> bool:
         return self.platform in ("gpu", "cuda") and not self.interpret
+
+    @property
+    def sms(self) -> int:
+        """The GPU's SMs, which kernels size their grids by; an H200's where the device does not say."""
+        return self.sm_count if self.platform in ("gpu", "cuda") and self.sm_count else DEFAULT_SM_COUNT
 
     @property
     def runs_pallas(self) -> bool:
@@ -76,6 +83,11 @@ class Target:
 @functools.cache
 def _local_target() -> Target:
     return Target.of_device()
+
+
+def local_sms() -> int:
+    """The SMs of this process's first device (``Target.sms``), for kernels that size their grids."""
+    return _local_target().sms
 
 
 _target: contextvars.ContextVar[Target | None] = contextvars.ContextVar("kernel_target", default=None)

@@ -58,6 +58,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 
+from jaxinfer.kernels import registry
 from jaxinfer.kernels.attention.prefill_pallas import query_blocks
 
 BLOCK_Q = 64  # query rows per compute warpgroup (one wgmma M tile)
@@ -66,7 +67,6 @@ COMPUTE_WGS = 2
 STAGES = 3  # key/value blocks in flight: 3 x 64 KiB with the 32 KiB query/output buffer fills shared memory
 COMPUTE_REGISTERS, MEMORY_REGISTERS = 240, 24  # per thread: 2 x 128 x 240 + 128 x 24 <= 64K
 MIN_WAVES_FOR_HEAD_PAIRS = 6  # measured on the H200: docs/performance.md, "Prefill attention, Mosaic GPU kernel"
-_DEFAULT_SMS = 132  # an H100/H200's SMs, where the device does not say (lowering on a CPU-only machine)
 _LOG2E = math.log2(math.e)
 
 
@@ -343,7 +343,7 @@ def ragged_paged_attention(q, k_cache, v_cache, positions, token_seq_ids, block_
     meta = block_schedule(positions, token_seq_ids, seq_lens, page_size=page_size, pages_per_seq=pages_per_seq)
     num_blocks = meta.shape[0]
     if heads_per_program is None:
-        num_sms = getattr(jax.devices()[0], "core_count", None) or _DEFAULT_SMS
+        num_sms = registry.local_sms()
         heads_per_program = default_heads_per_program(num_blocks * num_heads, num_heads, num_sms)
     if heads_per_program < 1 or num_heads % heads_per_program:
         raise ValueError(f"heads_per_program={heads_per_program} does not divide the {num_heads} query heads")

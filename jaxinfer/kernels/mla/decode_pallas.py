@@ -47,10 +47,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.kernels import pdl
+from jaxinfer.kernels import pdl, registry
 
 MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # a finite -inf: no NaN from exp(m - m) on empty rows
-_DEFAULT_SMS = 132  # H100/H200, where the device does not say (interpret mode, lowering checks on CPU)
 _MIN_TILE = 16  # the tensor cores' smallest matmul edge (M, N and K of tl.dot)
 _MAX_BLOCK_KEYS = 128
 _ACCUMULATOR_BYTES_PER_WARP = 32 * 128 * 4  # 32 threads x 128 of their 255 registers, 4 bytes each
@@ -65,9 +64,7 @@ _TUNING = ("block_heads", "block_keys", "num_splits", "num_warps", "num_stages")
 
 def _target_programs() -> int:
     """Two waves of programs over the GPU's SMs (one program per SM: its shared memory)."""
-    device = jax.devices()[0]
-    sms = getattr(device, "core_count", None) if device.platform == "gpu" else None
-    return 2 * int(sms or _DEFAULT_SMS)
+    return 2 * registry.local_sms()
 
 
 def _next_pow2(n: int) -> int:
@@ -212,9 +209,9 @@ def attend_rows(carry, q_latent, q_rope, cache_ref, rows, visible, *, scale: flo
 
 
 def _split_kernel(q_latent_ref, q_rope_ref, cache_ref, block_table_ref, seq_len_ref, *out_refs, scale: float,
-                  page_size: int, block_keys: int, blocks_per_split: int, tokens_per_seq: int, final: bool):
-    """One (sequence, head block, split): the online softmax over the split's key blocks. ``final``
-    (one split): normalise and write the output; else write the partial ``o``, ``m``, ``l``."""
+                  page_size: int, block_keys: int, blocks_per_split: int, tokens_per_seq: int):
+    """One (sequence, head block, split): the online softmax over the split's key blocks, written by
+    ``write_split``."""
     latent_dim = q_latent_ref.shape[-1]
     block_heads = q_latent_ref.shape[0]
     split = pl.program_id(2)
@@ -237,7 +234,13 @@ def _split_kernel(q_latent_ref, q_rope_ref, cache_ref, block_table_ref, seq_len_
     else:
         last = jnp.minimum(first + blocks_per_split, pl.cdiv(length, block_keys))
         o, m, l = lax.fori_loop(first, jnp.maximum(first, last), attend, init)
-    if final:
+    write_split(out_refs, o, m, l)
+
+
+def write_split(out_refs, o, m, l) -> None:
+    """A program's end: with one output ref (one split) the normalised output; with three the split's
+    unnormalised ``o``, row max ``m`` and row sum ``l`` for ``combine_splits``."""
+    if len(out_refs) == 1:
         (out_ref,) = out_refs
         out_ref[...] = (o / jnp.where(l == 0, 1.0, l)[:, None]).astype(out_ref.dtype)
         return
@@ -294,7 +297,7 @@ def mla_paged_decode_attention(q_latent, q_rope, cache, block_tables, seq_lens, 
     else:
         q_latent_rows, q_rope_rows = q_latent, q_rope
     kernel = functools.partial(_split_kernel, scale=float(scale), page_size=page_size, block_keys=plan.block_keys,
-                               blocks_per_split=blocks_per_split, tokens_per_seq=tokens_per_seq, final=final)
+                               blocks_per_split=blocks_per_split, tokens_per_seq=tokens_per_seq)
     heads = plan.block_heads
     in_specs = [
         pl.BlockSpec((None, heads, latent_dim), lambda s, h, k: (s, h, 0)),
@@ -305,19 +308,7 @@ def mla_paged_decode_attention(q_latent, q_rope, cache, block_tables, seq_lens, 
     ]
     inputs = [q_latent_rows, q_rope_rows, cache.reshape(num_pages * page_size, width), block_tables,
               seq_lens.astype(jnp.int32)[:, None]]
-    if final:
-        out_specs = [pl.BlockSpec((None, heads, latent_dim), lambda s, h, k: (s, h, 0))]
-        out_shape = [jax.ShapeDtypeStruct((num_seqs, padded_heads, latent_dim), q_latent.dtype)]
-    else:
-        # The split axis is allocated to a power of two for the combine kernel, which masks the
-        # slots past num_splits (never written).
-        slots = _next_pow2(num_splits)
-        out_specs = [pl.BlockSpec((None, heads, None, latent_dim), lambda s, h, k: (s, h, k, 0)),
-                     pl.BlockSpec((None, heads, None), lambda s, h, k: (s, h, k)),
-                     pl.BlockSpec((None, heads, None), lambda s, h, k: (s, h, k))]
-        out_shape = [jax.ShapeDtypeStruct((num_seqs, padded_heads, slots, latent_dim), jnp.float32),
-                     jax.ShapeDtypeStruct((num_seqs, padded_heads, slots), jnp.float32),
-                     jax.ShapeDtypeStruct((num_seqs, padded_heads, slots), jnp.float32)]
+    out_specs, out_shape = split_outputs(num_seqs, padded_heads, heads, num_splits, latent_dim, q_latent.dtype)
     result = pl.pallas_call(
         pdl.with_trigger(kernel, "decode_attention", interpret=interpret),
         grid=(num_seqs, head_blocks, num_splits),
@@ -330,19 +321,44 @@ def mla_paged_decode_attention(q_latent, q_rope, cache, block_tables, seq_lens, 
     )(*inputs)
     if final:
         return result[0][:, :num_heads]
-    o, m, l = result
+    return combine_splits(*result, num_splits=num_splits, num_heads=num_heads, dtype=q_latent.dtype,
+                          interpret=interpret, name="mla_paged_decode_combine")
+
+
+def split_outputs(num_rows: int, padded_heads: int, block_heads: int, num_splits: int, latent_dim: int, dtype):
+    """(out_specs, out_shape) of a ``(row, head block, split)`` grid: the ``[rows, heads, R]`` output
+    itself for one split, else each split's partial ``o`` [rows, heads, slots, R] and ``m``, ``l``
+    [rows, heads, slots], float32, the split axis allocated to a power of two for ``combine_splits``
+    (which masks the slots past ``num_splits``, never written)."""
+    if num_splits == 1:
+        return ([pl.BlockSpec((None, block_heads, latent_dim), lambda r, h, k: (r, h, 0))],
+                [jax.ShapeDtypeStruct((num_rows, padded_heads, latent_dim), dtype)])
+    slots = _next_pow2(num_splits)
+    return ([pl.BlockSpec((None, block_heads, None, latent_dim), lambda r, h, k: (r, h, k, 0)),
+             pl.BlockSpec((None, block_heads, None), lambda r, h, k: (r, h, k)),
+             pl.BlockSpec((None, block_heads, None), lambda r, h, k: (r, h, k))],
+            [jax.ShapeDtypeStruct((num_rows, padded_heads, slots, latent_dim), jnp.float32),
+             jax.ShapeDtypeStruct((num_rows, padded_heads, slots), jnp.float32),
+             jax.ShapeDtypeStruct((num_rows, padded_heads, slots), jnp.float32)])
+
+
+def combine_splits(o, m, l, *, num_splits: int, num_heads: int, dtype, interpret: bool = False,
+                   name: str = "mla_combine"):
+    """Merge the partial results ``split_outputs`` allocates into ``[rows, num_heads, R]`` of
+    ``dtype``: one program per (row, head)."""
+    num_rows, _, slots, latent_dim = o.shape
     return pl.pallas_call(
         pdl.with_trigger(functools.partial(_combine_kernel, num_splits=num_splits), "decode_combine",
                          interpret=interpret),
-        grid=(num_seqs, num_heads),
-        in_specs=[pl.BlockSpec((None, None, slots, latent_dim), lambda s, h: (s, h, 0, 0)),
-                  pl.BlockSpec((None, None, slots), lambda s, h: (s, h, 0)),
-                  pl.BlockSpec((None, None, slots), lambda s, h: (s, h, 0))],
-        out_specs=pl.BlockSpec((None, None, latent_dim), lambda s, h: (s, h, 0)),
-        out_shape=jax.ShapeDtypeStruct((num_seqs, num_heads, latent_dim), q_latent.dtype),
+        grid=(num_rows, num_heads),
+        in_specs=[pl.BlockSpec((None, None, slots, latent_dim), lambda r, h: (r, h, 0, 0)),
+                  pl.BlockSpec((None, None, slots), lambda r, h: (r, h, 0)),
+                  pl.BlockSpec((None, None, slots), lambda r, h: (r, h, 0))],
+        out_specs=pl.BlockSpec((None, None, latent_dim), lambda r, h: (r, h, 0)),
+        out_shape=jax.ShapeDtypeStruct((num_rows, num_heads, latent_dim), dtype),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
-        name="mla_paged_decode_combine",
+        name=name,
     )(o, m, l)
 
 

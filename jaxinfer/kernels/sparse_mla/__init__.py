@@ -21,8 +21,6 @@ from __future__ import annotations
 from jaxinfer.kernels.registry import Implementation, Op, where_pallas_runs
 from jaxinfer.kernels.sparse_mla import attention_pallas, indexer_pallas, reference, tiled
 
-_DEFAULT_SMS = 132  # H100 / H200, where the target does not say
-
 
 def _any_call(target, *args, **options) -> bool:
     return True
@@ -37,7 +35,7 @@ def _attention_kernel_preferred(target, q_latent, q_rope, latent_cache, slots, *
     if target.interpret:
         return True
     programs = q_latent.shape[0] * attention_pallas.head_blocks(q_latent, q_rope, latent_cache, slots)
-    return 2 * programs >= (target.sm_count or _DEFAULT_SMS)
+    return 2 * programs >= target.sms
 
 
 write_index_keys_op = Op("sparse_mla.write_index_keys", reference.write_index_keys)

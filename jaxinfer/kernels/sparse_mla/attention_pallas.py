@@ -2,15 +2,20 @@
 
 ``reference.sparse_mla_attention``, absorbed form, for prefill and decode alike: a query token's
 keys are the cache rows its selection lists (``slots [T, K]``, -1 for none), so the kernel never
-looks at a block table or a score matrix over the step. Grid ``(token, head block)``: a program
-takes ``block_heads`` heads of one token and walks its ``K`` slots ``block_keys`` at a time; each
+looks at a block table or a score matrix over the step. Grid ``(token, head block, split)``: a
+program takes ``block_heads`` heads of one token and walks its split's share of the ``K`` slots
+``block_keys`` at a time; each
 block is one flat gather of cache rows (the cache viewed as ``[pages * page_size, R + P]``), split
 into a ``[block_keys, R]`` latent tile and a ``[block_keys, P]`` rope tile, masked where the slot is
 -1. Scores are two tensor-core matmuls, the latent tile is also the value; the online softmax and
-the ``[heads, R]`` accumulator are float32. A token with no slot gives zeros.
+the ``[heads, R]`` accumulator are float32. A token with no slot gives zeros. With more than one
+split each program writes partial results that the MLA decode kernel's merge combines, as in its
+split-KV decoding: a step of few tokens then still fills the GPU.
 
 Tiles come from the MLA decode kernel's rule (``mla.decode_pallas.plan_blocking``, the same
-register and shared-memory budgets) with the selection's width as the key span and one split.
+register and shared-memory budgets) with the selection's width as the key span. ``num_splits``
+defaults to 1, the setting measured on the H200 (``kernels.sparse_mla`` takes the tiled jnp path
+for steps whose programs fill less than half the SMs); more splits are a tuning option.
 """
 
 from __future__ import annotations
@@ -25,14 +30,14 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.kernels.mla import decode_pallas as mla_decode
 
-_TUNING = ("block_heads", "block_keys", "num_warps", "num_stages")
+_TUNING = ("block_heads", "block_keys", "num_splits", "num_warps", "num_stages")
 
 
 def _unsupported_reason(q_latent, q_rope, cache, slots, options) -> str | None:
     unknown = sorted(set(options) - set(_TUNING))
     if unknown:
         return f"unknown options {unknown}"
-    reason = mla_decode._unsupported_reason(q_latent, q_rope, cache, {**options, "num_splits": 1})
+    reason = mla_decode._unsupported_reason(q_latent, q_rope, cache, {"num_splits": 1, **options})
     if reason is not None:
         return reason
     if slots.ndim != 2 or slots.shape[0] != q_latent.shape[0] or not jnp.issubdtype(slots.dtype, jnp.integer):
@@ -54,8 +59,10 @@ def head_blocks(q_latent, q_rope, cache, slots) -> int:
     return -(-num_heads // plan.block_heads)
 
 
-def _kernel(q_latent_ref, q_rope_ref, cache_ref, slots_ref, out_ref, *, scale: float, block_keys: int,
-            num_blocks: int):
+def _kernel(q_latent_ref, q_rope_ref, cache_ref, slots_ref, *out_refs, scale: float, block_keys: int,
+            blocks_per_split: int):
+    """One (token, head block, split): the online softmax over the split's slot blocks, written by
+    ``mla_decode.write_split``."""
     latent_dim = q_latent_ref.shape[-1]
     block_heads = q_latent_ref.shape[0]
     q_latent = q_latent_ref[...]
@@ -68,16 +75,16 @@ def _kernel(q_latent_ref, q_rope_ref, cache_ref, slots_ref, out_ref, *, scale: f
 
     init = (jnp.zeros((block_heads, latent_dim), jnp.float32), jnp.full((block_heads,), mla_decode.MASK, jnp.float32),
             jnp.zeros((block_heads,), jnp.float32))
-    o, _, l = lax.fori_loop(0, num_blocks, attend, init)
-    out_ref[...] = (o / jnp.where(l == 0, 1.0, l)[:, None]).astype(out_ref.dtype)
+    first = pl.program_id(2) * blocks_per_split
+    mla_decode.write_split(out_refs, *lax.fori_loop(first, first + blocks_per_split, attend, init))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret") + _TUNING)
 def sparse_mla_attention(q_latent, q_rope, cache, slots, *, scale, interpret=False, **tuning):
     """q_latent [T, H, R], q_rope [T, H, P]; cache [pages, page_size, R + P]; slots [T, K] int (-1:
     none) -> [T, H, R] in q_latent's dtype. ``tuning``: ``block_heads``, ``block_keys``,
-    ``num_warps``, ``num_stages`` (``plan_blocking``'s where absent). A call ``supports`` refuses
-    raises ValueError."""
+    ``num_splits`` (default 1), ``num_warps``, ``num_stages`` (``plan_blocking``'s where absent). A
+    call ``supports`` refuses raises ValueError."""
     reason = _unsupported_reason(q_latent, q_rope, cache, slots, tuning)
     if reason is not None:
         raise ValueError(f"sparse_mla_attention kernel: {reason}")
@@ -86,9 +93,12 @@ def sparse_mla_attention(q_latent, q_rope, cache, slots, *, scale, interpret=Fal
     num_pages, page_size, width = cache.shape
     top_k = slots.shape[1]
     plan = mla_decode.plan_blocking(num_tokens, num_heads, top_k, latent_dim, rope_dim,
-                                    jnp.dtype(cache.dtype).itemsize, num_splits=1, **tuning)
+                                    jnp.dtype(cache.dtype).itemsize, **{"num_splits": 1, **tuning})
     num_blocks = -(-top_k // plan.block_keys)
-    slots = jnp.pad(slots.astype(jnp.int32), ((0, 0), (0, num_blocks * plan.block_keys - top_k)),
+    blocks_per_split = -(-num_blocks // plan.num_splits)
+    num_splits = -(-num_blocks // blocks_per_split)
+    # Whole splits of whole blocks are read: pad the selection with "none".
+    slots = jnp.pad(slots.astype(jnp.int32), ((0, 0), (0, num_splits * blocks_per_split * plan.block_keys - top_k)),
                     constant_values=-1)
     head_blocks = -(-num_heads // plan.block_heads)
     padded_heads = head_blocks * plan.block_heads
@@ -96,20 +106,25 @@ def sparse_mla_attention(q_latent, q_rope, cache, slots, *, scale, interpret=Fal
         pad = ((0, 0), (0, padded_heads - num_heads), (0, 0))
         q_latent, q_rope = jnp.pad(q_latent, pad), jnp.pad(q_rope, pad)
     heads = plan.block_heads
-    out = pl.pallas_call(
-        functools.partial(_kernel, scale=float(scale), block_keys=plan.block_keys, num_blocks=num_blocks),
-        grid=(num_tokens, head_blocks),
-        in_specs=[pl.BlockSpec((None, heads, latent_dim), lambda t, h: (t, h, 0)),
-                  pl.BlockSpec((None, heads, rope_dim), lambda t, h: (t, h, 0)),
-                  pl.BlockSpec((num_pages * page_size, width), lambda t, h: (0, 0)),  # the cache as rows
-                  pl.BlockSpec((None, slots.shape[1]), lambda t, h: (t, 0))],
-        out_specs=pl.BlockSpec((None, heads, latent_dim), lambda t, h: (t, h, 0)),
-        out_shape=jax.ShapeDtypeStruct((num_tokens, padded_heads, latent_dim), q_latent.dtype),
+    out_specs, out_shape = mla_decode.split_outputs(num_tokens, padded_heads, heads, num_splits, latent_dim,
+                                                    q_latent.dtype)
+    result = pl.pallas_call(
+        functools.partial(_kernel, scale=float(scale), block_keys=plan.block_keys, blocks_per_split=blocks_per_split),
+        grid=(num_tokens, head_blocks, num_splits),
+        in_specs=[pl.BlockSpec((None, heads, latent_dim), lambda t, h, k: (t, h, 0)),
+                  pl.BlockSpec((None, heads, rope_dim), lambda t, h, k: (t, h, 0)),
+                  pl.BlockSpec((num_pages * page_size, width), lambda t, h, k: (0, 0)),  # the cache as rows
+                  pl.BlockSpec((None, slots.shape[1]), lambda t, h, k: (t, 0))],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=plan.num_warps, num_stages=plan.num_stages),
         interpret=interpret,
         name="sparse_mla_attention",
     )(q_latent, q_rope, cache.reshape(num_pages * page_size, width), slots)
-    return out[:, :num_heads]
+    if num_splits == 1:
+        return result[0][:, :num_heads]
+    return mla_decode.combine_splits(*result, num_splits=num_splits, num_heads=num_heads, dtype=q_latent.dtype,
+                                     interpret=interpret, name="sparse_mla_combine")
 
 
 __all__ = ["head_blocks", "sparse_mla_attention", "supports"]
