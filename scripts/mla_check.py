@@ -122,6 +122,16 @@ def parity(shape):
         rows.append({"op": "sparse_mla_attention", "dtype": jnp.dtype(dtype).name, "implementation": chosen,
                      "max_rel_error": _relative_error(got, want), "padding_row_zero": bool(jnp.all(got[4] == 0))})
         print(rows[-1], flush=True)
+        # The kernel itself (the dispatch takes the tiled path for so few tokens), whole and in splits.
+        from jaxinfer.kernels.sparse_mla import attention_pallas
+        for splits in (1, 4):
+            kernel = jax.jit(functools.partial(attention_pallas.sparse_mla_attention, scale=scale, num_splits=splits,
+                                               interpret=registry.current_target().interpret))
+            got = jax.block_until_ready(kernel(q_latent, q_rope, cache, slots))
+            rows.append({"op": "sparse_mla_attention", "dtype": jnp.dtype(dtype).name,
+                         "implementation": [f"triton, num_splits={splits}"], "max_rel_error": _relative_error(got, want),
+                         "padding_row_zero": bool(jnp.all(got[4] == 0))})
+            print(rows[-1], flush=True)
 
         # The indexer: scores against the reference, and the selections' agreement (ties in rounded
         # scores may order equal keys differently, so the overlap of the selected sets is reported).
