@@ -60,7 +60,7 @@ def head_blocks(q_latent, q_rope, cache, slots) -> int:
 
 
 def _kernel(q_latent_ref, q_rope_ref, cache_ref, slots_ref, *out_refs, scale: float, block_keys: int,
-            blocks_per_split: int):
+            blocks_per_split: int, num_splits: int):
     """One (token, head block, split): the online softmax over the split's slot blocks, written by
     ``mla_decode.write_split``."""
     latent_dim = q_latent_ref.shape[-1]
@@ -75,7 +75,7 @@ def _kernel(q_latent_ref, q_rope_ref, cache_ref, slots_ref, *out_refs, scale: fl
 
     init = (jnp.zeros((block_heads, latent_dim), jnp.float32), jnp.full((block_heads,), mla_decode.MASK, jnp.float32),
             jnp.zeros((block_heads,), jnp.float32))
-    first = pl.program_id(2) * blocks_per_split
+    first = pl.program_id(2) * blocks_per_split if num_splits > 1 else 0  # one split: a static trip count
     mla_decode.write_split(out_refs, *lax.fori_loop(first, first + blocks_per_split, attend, init))
 
 
@@ -109,7 +109,8 @@ def sparse_mla_attention(q_latent, q_rope, cache, slots, *, scale, interpret=Fal
     out_specs, out_shape = mla_decode.split_outputs(num_tokens, padded_heads, heads, num_splits, latent_dim,
                                                     q_latent.dtype)
     result = pl.pallas_call(
-        functools.partial(_kernel, scale=float(scale), block_keys=plan.block_keys, blocks_per_split=blocks_per_split),
+        functools.partial(_kernel, scale=float(scale), block_keys=plan.block_keys, blocks_per_split=blocks_per_split,
+                          num_splits=num_splits),
         grid=(num_tokens, head_blocks, num_splits),
         in_specs=[pl.BlockSpec((None, heads, latent_dim), lambda t, h, k: (t, h, 0)),
                   pl.BlockSpec((None, heads, rope_dim), lambda t, h, k: (t, h, 0)),
