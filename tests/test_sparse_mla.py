@@ -233,6 +233,7 @@ def test_sparse_attention_kernel_equals_the_reference(dtype, tol, num_splits):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
     np.testing.assert_array_equal(np.asarray(got[3], np.float32), 0.0)
     assert not attention_pallas.supports(q_latent[..., :24], q_rope, cache[..., 8:], jnp.asarray(slots))  # R=24
+    assert not attention_pallas.supports(*args, num_splits=0)
 
 
 def test_indexer_kernel_equals_the_reference():
