@@ -310,10 +310,12 @@ def packed_sequences(batch, seq_len, heads, kv_heads, head_dim, page_size, dtype
     return q, k, v, ragged
 
 
-def prefill_checks(flops_rate, page_sizes=(16,), parity_only=False):
+def prefill_checks(flops_rate, page_sizes=(16,), parity_only=False, benchmarks_only=False):
     """Ragged prefill (the GPU default: the Mosaic GPU kernel where it applies, else the Triton one):
     parity, then causal benchmarks next to the Triton kernel, cuDNN and jax's Pallas mha, with the
-    cache in pages of each of ``page_sizes`` (the dense contenders are timed again beside each)."""
+    cache in pages of each of ``page_sizes`` (the dense contenders are timed again beside each).
+    ``parity_only`` / ``benchmarks_only`` run one half, so parity can share the GPU with other
+    correctness runs while the benchmarks have it alone."""
     from jax.experimental.pallas.ops.gpu.attention import mha as jax_mha
 
     from jaxinfer.kernels import attention
@@ -325,7 +327,7 @@ def prefill_checks(flops_rate, page_sizes=(16,), parity_only=False):
     cases = ((2, 700, 32, 8, 128, 16, {}, 0), (3, 320, 4, 1, 64, 32, {}, 37), (2, 384, 4, 4, 128, 256, {}, 200),
              (3, 512, 16, 16, 64, 32, {"sliding_window": 200}, 0),
              (2, 384, 8, 2, 256, 128, {"logit_softcap": 20.0}, 0), (4, 256, 16, 1, 128, 64, {"sinks": "sinks"}, 0))
-    for batch, seq_len, heads, kv_heads, head_dim, page_size, extra, pad in cases:
+    for batch, seq_len, heads, kv_heads, head_dim, page_size, extra, pad in (() if benchmarks_only else cases):
         seq_len = seq_len // page_size * page_size
         if extra.get("sinks") == "sinks":
             extra = {"sinks": jax.random.normal(jax.random.PRNGKey(3), (heads,), jnp.float32)}
@@ -357,7 +359,8 @@ def prefill_checks(flops_rate, page_sizes=(16,), parity_only=False):
                                       "head_dim": head_dim, "page_size": page_size, "dtype": jnp.dtype(dtype).name,
                                       "options": list(extra), "padding": pad, "kernel": kernel,
                                       "max_abs_err": err, "ok": bool(err < tol)})
-    print("prefill parity ok:", all(r["ok"] for r in out["parity"]), flush=True)
+    if not benchmarks_only:
+        print("prefill parity ok:", all(r["ok"] for r in out["parity"]), flush=True)
     if parity_only:
         return out
     for page_size, (batch, seq_len, heads) in itertools.product(page_sizes, ((2, 2048, 16), (1, 8192, 32))):
@@ -397,6 +400,7 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="also sweep decode kernel block sizes")
     parser.add_argument("--sweep-prefill", action="store_true", help="also sweep prefill kernel block sizes")
     parser.add_argument("--prefill-parity-only", action="store_true", help="the prefill parity cases, no benchmarks")
+    parser.add_argument("--prefill-benchmarks-only", action="store_true", help="the prefill benchmarks, no parity")
     parser.add_argument("--prefill-page-sizes", type=int, nargs="+", default=[16],
                         help="cache page sizes of the causal prefill benchmarks")
     parser.add_argument("--sweep-splits", action="store_true", help="also sweep decode split counts at short contexts")
@@ -426,7 +430,8 @@ def main():
         result["split_sweep"] = split_sweep(result["copy_bandwidth_TBps"] * 1e12)
     if not args.skip_prefill:
         result["prefill"] = prefill_checks(result["bf16_matmul_TFLOPs"] * 1e12, args.prefill_page_sizes,
-                                           parity_only=args.prefill_parity_only)
+                                           parity_only=args.prefill_parity_only,
+                                           benchmarks_only=args.prefill_benchmarks_only)
     if args.sweep_prefill:
         write_json("gpu_check.json", result)
         result["prefill_sweep"] = prefill_sweep(result["bf16_matmul_TFLOPs"] * 1e12)

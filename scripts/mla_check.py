@@ -4,6 +4,7 @@ ceilings measured in the same run.
 
     PYTHONPATH=. python3 scripts/mla_check.py                 # writes mla_check.json to $JAXINFER_BENCH_DIR (or .)
     PYTHONPATH=. python3 scripts/mla_check.py --parity-only
+    PYTHONPATH=. python3 scripts/mla_check.py --skip-parity
     PYTHONPATH=. python3 scripts/mla_check.py --interpret --parity-only   # on a CPU: the script itself
 
 Shapes are DeepSeek-V3 / V3.2's (128 heads, kv_lora_rank 512, rope 64, pages of 64, bf16; the
@@ -290,13 +291,14 @@ def sparse_prefill_benchmarks(shape, flops_rate, lengths=(8192, 32768)):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parity-only", action="store_true")
+    parser.add_argument("--skip-parity", action="store_true", help="the benchmarks alone (parity run separately)")
     parser.add_argument("--interpret", action="store_true", help="the Pallas kernels in interpret mode, small shapes")
     args = parser.parse_args()
     result = {"environment": environment(), "shape": SMALL if args.interpret else DEEPSEEK}
     if args.interpret:
         with registry.targeting(registry.Target.interpreted()):
             result["parity"] = parity(SMALL)
-    else:
+    elif not args.skip_parity:
         result["parity"] = parity(DEEPSEEK)
     write_json("mla_check.json", result)
     if not args.parity_only:
