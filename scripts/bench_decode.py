@@ -249,7 +249,10 @@ def build_engine(model_name: str, layers: int, *, steps: int, max_len: int, max_
     model = LoadedModel("<random>", config, model_cls, model_cls(config, dtype), params, make_mesh(), dtype)
     engine_config = EngineConfig(max_model_len=max_len, max_num_seqs=max_seqs, max_num_batched_tokens=batched_tokens,
                                  decode_steps=steps, warmup=False, show_progress=False, max_logprobs=None,
-                                 num_pages=num_pages)
+                                 num_pages=num_pages,
+                                 # a prompt of the full trained length plus its sampled token and the
+                                 # headroom above: positions past it are harmless with random weights
+                                 allow_long_max_model_len=True)
     return config, params, Engine(model, engine_config)
 
 

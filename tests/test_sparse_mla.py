@@ -171,20 +171,36 @@ def test_the_ops_default_to_the_tiled_path():
 
 
 def test_the_attention_kernel_is_chosen_where_its_programs_fill_the_gpu():
-    """At DeepSeek's shape (128 heads: 4 head blocks a token) a decode step of one token stays on the
-    tiled path on a GPU, where the kernel measured slower; 32 tokens (128 programs) take the kernel."""
+    """At DeepSeek's shape (128 heads: 4 head blocks a token, 32 key blocks of a 2048-slot selection)
+    the kernel's splits fill the GPU at every step; a selection of one key block cannot be split, and
+    one token's 4 programs stay on the tiled path, where the kernel measured slower."""
     import jax
 
     gpu = registry.Target(platform="gpu", device_kind="NVIDIA H200", compute_capability="9.0", sm_count=132)
     cache = jax.ShapeDtypeStruct((64, 64, 576), jnp.bfloat16)
-    for tokens, expected in ((1, "tiled"), (16, "tiled"), (32, "triton"), (8192, "triton")):
+    for tokens, top_k, expected in ((1, 2048, "triton"), (16, 2048, "triton"), (32, 2048, "triton"),
+                                    (8192, 2048, "triton"), (1, 64, "tiled"), (16, 64, "tiled"), (32, 64, "triton")):
         q_latent = jax.ShapeDtypeStruct((tokens, 128, 512), jnp.bfloat16)
         q_rope = jax.ShapeDtypeStruct((tokens, 128, 64), jnp.bfloat16)
-        slots = jax.ShapeDtypeStruct((tokens, 2048), jnp.int32)
+        slots = jax.ShapeDtypeStruct((tokens, top_k), jnp.int32)
         chosen = sparse_ops.sparse_mla_attention_op.choose(gpu, q_latent, q_rope, cache, slots, scale=0.1)
-        assert chosen.name == expected, tokens
+        assert chosen.name == expected, (tokens, top_k)
     assert sparse_ops.sparse_mla_attention_op.choose(registry.Target.interpreted(), q_latent, q_rope, cache, slots,
                                                      scale=0.1).name == "triton"
+
+
+def test_the_default_splits_fill_one_wave_of_the_sms():
+    """The most power-of-two splits whose programs fit the 132 SMs, at most one per key block and what
+    one combine program merges (32 partial rows of 512)."""
+    from jaxinfer.kernels.sparse_mla import attention_pallas
+
+    splits = lambda tokens, top_k, latent=512: attention_pallas.default_num_splits(  # noqa: E731
+        tokens, 128, top_k, latent, 64, 2)
+    assert registry.local_sms() == 132
+    assert [splits(t, 2048) for t in (1, 2, 8, 16, 32, 33, 8192)] == [32, 16, 4, 2, 1, 1, 1]
+    assert splits(1, 256) == 4  # four key blocks of 64
+    assert splits(1, 64) == 1
+    assert splits(1, 2048, latent=1024) == 16  # 8 head blocks of 16, and 16 partial rows of 1024 per combine
 
 
 def test_a_long_prompt_prefill_stays_within_its_tiles():

@@ -67,6 +67,11 @@ def _target_programs() -> int:
     return 2 * registry.local_sms()
 
 
+def max_splits(latent_dim: int) -> int:
+    """The most splits one combine program merges: ``_COMBINE_ELEMENTS`` partial-output elements."""
+    return max(1, _COMBINE_ELEMENTS // latent_dim)  # a power of two: latent_dim is one
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -139,14 +144,14 @@ def plan_blocking(num_seqs: int, num_heads: int, tokens_per_seq: int | None, lat
         raise ValueError(f"{block_heads} heads and {num_stages} stages of {block_keys} cache rows of "
                          f"{latent_dim + rope_dim} x {itemsize} bytes need {shared(block_keys)} bytes of shared "
                          f"memory; a block has {_SHARED_BYTES}")
-    max_splits = max(1, _COMBINE_ELEMENTS // latent_dim)  # a power of two: latent_dim is one
-    num_blocks = -(-tokens_per_seq // block_keys) if tokens_per_seq else max_splits
+    most_splits = max_splits(latent_dim)
+    num_blocks = -(-tokens_per_seq // block_keys) if tokens_per_seq else most_splits
     if num_splits is None:
         pairs = num_seqs * -(-num_heads // block_heads)
-        num_splits = min(num_blocks, max_splits, _next_pow2(-(-_target_programs() // max(1, pairs))))
+        num_splits = min(num_blocks, most_splits, _next_pow2(-(-_target_programs() // max(1, pairs))))
     elif not (isinstance(num_splits, int) and num_splits >= 1):
         raise ValueError(f"num_splits={num_splits!r} must be a positive integer")
-    elif num_splits > 1 and _next_pow2(num_splits) > max_splits:
+    elif num_splits > 1 and _next_pow2(num_splits) > most_splits:
         raise ValueError(f"num_splits={num_splits} partial rows of R={latent_dim} exceed what one combine program "
                          f"holds ({_COMBINE_ELEMENTS} elements)")
     return Blocking(block_heads, block_keys, max(1, min(num_splits, num_blocks)), num_warps, num_stages)

@@ -27,15 +27,16 @@ def _any_call(target, *args, **options) -> bool:
 
 
 def _attention_kernel_preferred(target, q_latent, q_rope, latent_cache, slots, **options) -> bool:
-    """The kernel where its (token, head block) programs fill at least half of the GPU's SMs. One
-    program walks all of a token's slots, so a step of few tokens leaves the GPU idle: at DeepSeek's
-    shape (128 heads, top-k 2048, H200) one decode token (4 programs) took 101 us on the kernel and
-    26 us on the tiled jnp path, 32 tokens (128 programs) 125 against 324 us, an 8192-token prefill
-    18 against 82 ms (benchmarks/results/2026-12-02-h200-r2/mla_check.json)."""
+    """The kernel where its programs (tokens x head blocks x its default splits) fill at least half of
+    the GPU's SMs, else the tiled jnp path, which measured faster than a kernel leaving the GPU idle:
+    one decode token in one program per head block took 101 us against 26 us tiled
+    (benchmarks/results/2026-12-02-h200-r2/mla_check.json). With its splits the kernel fills the SMs
+    at DeepSeek's shape at every step: one decode token 11.8 us against 28.0 us tiled, 32 tokens
+    128 against 326 us (benchmarks/results/2026-12-03-h200-r2/mla_check.json); an 8192-token prefill
+    18 against 82 ms (2026-12-02-h200-r2)."""
     if target.interpret:
         return True
-    programs = q_latent.shape[0] * attention_pallas.head_blocks(q_latent, q_rope, latent_cache, slots)
-    return 2 * programs >= target.sms
+    return 2 * attention_pallas.programs(q_latent, q_rope, latent_cache, slots) >= target.sms
 
 
 write_index_keys_op = Op("sparse_mla.write_index_keys", reference.write_index_keys)

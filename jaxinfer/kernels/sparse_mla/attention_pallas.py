@@ -14,8 +14,9 @@ split-KV decoding: a step of few tokens then still fills the GPU.
 
 Tiles come from the MLA decode kernel's rule (``mla.decode_pallas.plan_blocking``, the same
 register and shared-memory budgets) with the selection's width as the key span. ``num_splits``
-defaults to 1, the setting measured on the H200 (``kernels.sparse_mla`` takes the tiled jnp path
-for steps whose programs fill less than half the SMs); more splits are a tuning option.
+defaults to the most (a power of two) whose programs still fit one wave of the SMs
+(``default_num_splits``): every program walks as many slots, so a partial second wave would cost a
+whole program's time.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxinfer.kernels import registry
 from jaxinfer.kernels.mla import decode_pallas as mla_decode
 
 _TUNING = ("block_heads", "block_keys", "num_splits", "num_warps", "num_stages")
@@ -51,12 +53,27 @@ def supports(q_latent, q_rope, cache, slots, *, scale=None, **options) -> bool:
     return _unsupported_reason(q_latent, q_rope, cache, slots, options) is None
 
 
-def head_blocks(q_latent, q_rope, cache, slots) -> int:
-    """Head blocks per token of a call ``supports`` takes (its programs: tokens x head blocks)."""
+def default_num_splits(num_tokens, num_heads, top_k, latent_dim, rope_dim, itemsize, **tuning) -> int:
+    """The most splits, a power of two, whose (token, head block, split) programs fit one wave of the
+    SMs, at most one per key block and what one combine program merges. At DeepSeek's shape on the
+    H200 one decode token (4 head blocks) ran 102 us whole and 11.8 us in 32 splits; 32 tokens (128
+    programs) 130 us whole and 138 us in 2 splits (benchmarks/results/2026-12-03-h200-r2/mla_check.json)."""
+    plan = mla_decode.plan_blocking(num_tokens, num_heads, top_k, latent_dim, rope_dim, itemsize,
+                                    **{**tuning, "num_splits": 1})
+    pairs = num_tokens * -(-num_heads // plan.block_heads)
+    limit = min(-(-top_k // plan.block_keys), mla_decode.max_splits(latent_dim))
+    splits = 1
+    while 2 * splits <= limit and 2 * splits * pairs <= registry.local_sms():
+        splits *= 2
+    return splits
+
+
+def programs(q_latent, q_rope, cache, slots) -> int:
+    """The (token, head block, split) programs of a call ``supports`` takes, at the default tiling."""
     num_tokens, num_heads, latent_dim = q_latent.shape
-    plan = mla_decode.plan_blocking(num_tokens, num_heads, slots.shape[1], latent_dim, q_rope.shape[-1],
-                                    jnp.dtype(cache.dtype).itemsize, num_splits=1)
-    return -(-num_heads // plan.block_heads)
+    shape = (num_tokens, num_heads, slots.shape[1], latent_dim, q_rope.shape[-1], jnp.dtype(cache.dtype).itemsize)
+    plan = mla_decode.plan_blocking(*shape, num_splits=1)
+    return num_tokens * -(-num_heads // plan.block_heads) * default_num_splits(*shape)
 
 
 def _kernel(q_latent_ref, q_rope_ref, cache_ref, slots_ref, *out_refs, scale: float, block_keys: int,
@@ -83,8 +100,8 @@ def _kernel(q_latent_ref, q_rope_ref, cache_ref, slots_ref, *out_refs, scale: fl
 def sparse_mla_attention(q_latent, q_rope, cache, slots, *, scale, interpret=False, **tuning):
     """q_latent [T, H, R], q_rope [T, H, P]; cache [pages, page_size, R + P]; slots [T, K] int (-1:
     none) -> [T, H, R] in q_latent's dtype. ``tuning``: ``block_heads``, ``block_keys``,
-    ``num_splits`` (default 1), ``num_warps``, ``num_stages`` (``plan_blocking``'s where absent). A
-    call ``supports`` refuses raises ValueError."""
+    ``num_splits`` (``default_num_splits`` where absent), ``num_warps``, ``num_stages``
+    (``plan_blocking``'s where absent). A call ``supports`` refuses raises ValueError."""
     reason = _unsupported_reason(q_latent, q_rope, cache, slots, tuning)
     if reason is not None:
         raise ValueError(f"sparse_mla_attention kernel: {reason}")
@@ -92,8 +109,10 @@ def sparse_mla_attention(q_latent, q_rope, cache, slots, *, scale, interpret=Fal
     rope_dim = q_rope.shape[-1]
     num_pages, page_size, width = cache.shape
     top_k = slots.shape[1]
-    plan = mla_decode.plan_blocking(num_tokens, num_heads, top_k, latent_dim, rope_dim,
-                                    jnp.dtype(cache.dtype).itemsize, **{"num_splits": 1, **tuning})
+    shape = (num_tokens, num_heads, top_k, latent_dim, rope_dim, jnp.dtype(cache.dtype).itemsize)
+    if "num_splits" not in tuning:
+        tuning = {**tuning, "num_splits": default_num_splits(*shape, **tuning)}
+    plan = mla_decode.plan_blocking(*shape, **tuning)
     num_blocks = -(-top_k // plan.block_keys)
     blocks_per_split = -(-num_blocks // plan.num_splits)
     num_splits = -(-num_blocks // blocks_per_split)
