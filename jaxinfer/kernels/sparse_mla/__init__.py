@@ -31,9 +31,9 @@ def _attention_kernel_preferred(target, q_latent, q_rope, latent_cache, slots, *
     the GPU's SMs, else the tiled jnp path, which measured faster than a kernel leaving the GPU idle:
     one decode token in one program per head block took 101 us against 26 us tiled
     (benchmarks/results/2026-12-02-h200-r2/mla_check.json). With its splits the kernel fills the SMs
-    at DeepSeek's shape at every step: one decode token 11.8 us against 28.0 us tiled, 32 tokens
-    128 against 326 us (benchmarks/results/2026-12-03-h200-r2/mla_check.json); an 8192-token prefill
-    18 against 82 ms (2026-12-02-h200-r2)."""
+    at DeepSeek's shape at every step: one decode token 11.7 us against 28.3 us tiled, 32 tokens
+    129 against 321 us, an 8192-token prefill 18.4 against 77.9 ms
+    (benchmarks/results/2026-12-03-h200-r2/mla_check.json)."""
     if target.interpret:
         return True
     return 2 * attention_pallas.programs(q_latent, q_rope, latent_cache, slots) >= target.sms

@@ -56,8 +56,8 @@ def supports(q_latent, q_rope, cache, slots, *, scale=None, **options) -> bool:
 def default_num_splits(num_tokens, num_heads, top_k, latent_dim, rope_dim, itemsize, **tuning) -> int:
     """The most splits, a power of two, whose (token, head block, split) programs fit one wave of the
     SMs, at most one per key block and what one combine program merges. At DeepSeek's shape on the
-    H200 one decode token (4 head blocks) ran 102 us whole and 11.8 us in 32 splits; 32 tokens (128
-    programs) 130 us whole and 138 us in 2 splits (benchmarks/results/2026-12-03-h200-r2/mla_check.json)."""
+    H200 one decode token (4 head blocks) ran 103 us whole and 11.8 us in 32 splits; 32 tokens (128
+    programs) 129 us whole and 138 us in 2 splits (benchmarks/results/2026-12-03-h200-r2/mla_check.json)."""
     plan = mla_decode.plan_blocking(num_tokens, num_heads, top_k, latent_dim, rope_dim, itemsize,
                                     **{**tuning, "num_splits": 1})
     pairs = num_tokens * -(-num_heads // plan.block_heads)
