@@ -37,17 +37,28 @@ def attention_options(name, heads, head_dim, page_size):
     return options
 
 
-@pytest.mark.parametrize("heads, kv_heads, head_dim, page_size", [
+SHAPES = [
     (8, 2, 64, 16),    # GQA
     (4, 1, 128, 32),   # MQA
     (2, 2, 256, 16),   # MHA, large heads
     (8, 4, 64, 128),   # large pages
-])
-@pytest.mark.parametrize("options", ["plain", "window", "softcap", "sinks"])
+]
+OPTIONS = ["plain", "window", "softcap", "sinks"]
 # A slice of a page, or one or more whole pages per block; split (partial results merged by the
 # combine kernel) or one pass that writes the output itself; several blocks per program (a loop) or
 # one (no loop, masked loads).
-@pytest.mark.parametrize("block_tokens, num_splits", [(16, 2), (64, 2), (64, 1), (64, 4), (16, 16)])
+BLOCKINGS = [(16, 2), (64, 2), (64, 1), (64, 4), (16, 16)]
+
+
+def pairwise_cases(shapes, options, blockings):
+    """Every option with every blocking once, the shapes taken in turn (a Latin square): each pair of
+    shape, option and blocking meets in some case, for a fraction of the full product's cases."""
+    return [(*shapes[(i + j) % len(shapes)], option, *blocking)
+            for i, option in enumerate(options) for j, blocking in enumerate(blockings)]
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, page_size, options, block_tokens, num_splits",
+                         pairwise_cases(SHAPES, OPTIONS, BLOCKINGS))
 def test_matches_reference(heads, kv_heads, head_dim, page_size, options, block_tokens, num_splits):
     pages_per_seq = max(2, 256 // page_size)
     max_len = pages_per_seq * page_size

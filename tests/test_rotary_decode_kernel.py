@@ -12,7 +12,7 @@ import pytest
 
 from jaxinfer.kernels.attention import reference
 from jaxinfer.kernels.attention.decode_pallas import rotary_paged_decode_attention
-from tests.test_decode_kernel import attention_options
+from tests.test_decode_kernel import attention_options, pairwise_cases
 
 
 def _case(lengths, heads, kv_heads, head_dim, page_size, pages_per_seq, rotary_dim, dtype, qk_norm, seed=0):
@@ -48,16 +48,19 @@ def _run_both(args, options, **tuning):
     return want, got
 
 
-@pytest.mark.parametrize("heads, kv_heads, head_dim, page_size, rotary_dim", [
+SHAPES = [
     (8, 2, 64, 16, 64),    # GQA, full rotary
     (4, 1, 128, 32, 64),   # MQA, partial rotary
     (8, 4, 64, 128, 32),   # large pages
-])
-@pytest.mark.parametrize("options", ["plain", "qk_norm", "window", "softcap", "sinks"])
+]
+OPTIONS = ["plain", "qk_norm", "window", "softcap", "sinks"]
 # Split (merged by the combine kernel) or one pass; one block per program (no loop, its K/V read before
 # or after the rotation) or several.
-@pytest.mark.parametrize("block_tokens, num_splits, kv_reads_first", [(16, 2, False), (64, 1, False),
-                                                                      (16, 16, False), (16, 16, True)])
+BLOCKINGS = [(16, 2, False), (64, 1, False), (16, 16, False), (16, 16, True)]
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, page_size, rotary_dim, options, block_tokens, num_splits, "
+                         "kv_reads_first", pairwise_cases(SHAPES, OPTIONS, BLOCKINGS))
 def test_matches_reference(heads, kv_heads, head_dim, page_size, rotary_dim, options, block_tokens, num_splits,
                            kv_reads_first):
     pages_per_seq = max(2, 256 // page_size)
