@@ -201,6 +201,13 @@ def test_the_default_splits_fill_one_wave_of_the_sms():
     assert splits(1, 256) == 4  # four key blocks of 64
     assert splits(1, 64) == 1
     assert splits(1, 2048, latent=1024) == 16  # 8 head blocks of 16, and 16 partial rows of 1024 per combine
+    # The dispatch counts the programs on its target's SMs, not this process's device's.
+    import jax
+
+    args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in ((1, 128, 512), (1, 128, 64), (64, 64, 576))]
+    slots = jax.ShapeDtypeStruct((1, 2048), jnp.int32)
+    assert attention_pallas.programs(*args, slots, sms=132) == 128
+    assert attention_pallas.programs(*args, slots, sms=16) == 16
 
 
 def test_a_long_prompt_prefill_stays_within_its_tiles():

@@ -36,7 +36,7 @@ def _attention_kernel_preferred(target, q_latent, q_rope, latent_cache, slots, *
     (benchmarks/results/2026-12-03-h200-r2/mla_check.json)."""
     if target.interpret:
         return True
-    return 2 * attention_pallas.programs(q_latent, q_rope, latent_cache, slots) >= target.sms
+    return 2 * attention_pallas.programs(q_latent, q_rope, latent_cache, slots, sms=target.sms) >= target.sms
 
 
 write_index_keys_op = Op("sparse_mla.write_index_keys", reference.write_index_keys)

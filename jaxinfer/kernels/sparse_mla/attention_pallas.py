@@ -53,27 +53,35 @@ def supports(q_latent, q_rope, cache, slots, *, scale=None, **options) -> bool:
     return _unsupported_reason(q_latent, q_rope, cache, slots, options) is None
 
 
-def default_num_splits(num_tokens, num_heads, top_k, latent_dim, rope_dim, itemsize, **tuning) -> int:
+def default_num_splits(num_tokens, num_heads, top_k, latent_dim, rope_dim, itemsize, *, sms=None, **tuning) -> int:
     """The most splits, a power of two, whose (token, head block, split) programs fit one wave of the
-    SMs, at most one per key block and what one combine program merges. At DeepSeek's shape on the
-    H200 one decode token (4 head blocks) ran 103 us whole and 11.8 us in 32 splits; 32 tokens (128
-    programs) 129 us whole and 138 us in 2 splits (benchmarks/results/2026-12-03-h200-r2/mla_check.json)."""
+    SMs (``sms``; this process's GPU's where None), at most one per key block and what one combine
+    program merges. At DeepSeek's shape on the H200 one decode token (4 head blocks) ran 103 us whole
+    and 11.8 us in 32 splits; 32 tokens (128 programs) 129 us whole and 138 us in 2 splits
+    (benchmarks/results/2026-12-03-h200-r2/mla_check.json)."""
+    return _pairs_and_splits(num_tokens, num_heads, top_k, latent_dim, rope_dim, itemsize, sms, tuning)[1]
+
+
+def programs(q_latent, q_rope, cache, slots, *, sms: int) -> int:
+    """The (token, head block, split) programs of a call ``supports`` takes, at the default tiling on
+    a GPU of ``sms`` SMs."""
+    num_tokens, num_heads, latent_dim = q_latent.shape
+    pairs, splits = _pairs_and_splits(num_tokens, num_heads, slots.shape[1], latent_dim, q_rope.shape[-1],
+                                      jnp.dtype(cache.dtype).itemsize, sms, {})
+    return pairs * splits
+
+
+def _pairs_and_splits(num_tokens, num_heads, top_k, latent_dim, rope_dim, itemsize, sms, tuning):
+    """(token, head block) pairs and ``default_num_splits``."""
     plan = mla_decode.plan_blocking(num_tokens, num_heads, top_k, latent_dim, rope_dim, itemsize,
                                     **{**tuning, "num_splits": 1})
     pairs = num_tokens * -(-num_heads // plan.block_heads)
     limit = min(-(-top_k // plan.block_keys), mla_decode.max_splits(latent_dim))
+    sms = registry.local_sms() if sms is None else sms
     splits = 1
-    while 2 * splits <= limit and 2 * splits * pairs <= registry.local_sms():
+    while 2 * splits <= limit and 2 * splits * pairs <= sms:
         splits *= 2
-    return splits
-
-
-def programs(q_latent, q_rope, cache, slots) -> int:
-    """The (token, head block, split) programs of a call ``supports`` takes, at the default tiling."""
-    num_tokens, num_heads, latent_dim = q_latent.shape
-    shape = (num_tokens, num_heads, slots.shape[1], latent_dim, q_rope.shape[-1], jnp.dtype(cache.dtype).itemsize)
-    plan = mla_decode.plan_blocking(*shape, num_splits=1)
-    return num_tokens * -(-num_heads // plan.block_heads) * default_num_splits(*shape)
+    return pairs, splits
 
 
 def _kernel(q_latent_ref, q_rope_ref, cache_ref, slots_ref, *out_refs, scale: float, block_keys: int,
