@@ -10,6 +10,9 @@ tree's rows. A change that moved a whole-step figure is found by the kernels who
 
     PYTHONPATH=. python3 scripts/compare_prefill_step.py --baseline 829657a   # writes prefill_step_ab.json
 
+Where the repository's history is not at hand, export the revision first (``git archive 829657a |
+tar -x -C DIR``) and pass ``--baseline-tree DIR``.
+
 The child uses only what both trees have: ``bench_decode.build_engine`` with its first keywords,
 ``Request``, ``CompileKey`` and ``runner.run_mixed``, so attention-only models (``llama3-8b``,
 ``qwen3-30b-a3b``) of revisions back to the bucketed engine work. Off a GPU (a smoke run) the
@@ -123,6 +126,8 @@ def kernel_deltas(before: dict, after: dict, top: int = 15) -> list[dict]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", default="HEAD", help="git revision to compare the working tree against")
+    parser.add_argument("--baseline-tree", help="the baseline revision's files, already exported (then --baseline "
+                                                 "only names it)")
     parser.add_argument("--model", default="llama3-8b")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--prefill", nargs="+", default=["1x8192", "16x1024"], help="prefill shapes, BATCHxLENGTH")
@@ -142,7 +147,8 @@ def main():
     result = {"environment": environment(), "baseline": args.baseline, "model": args.model, "layers": args.layers,
               "rounds": []}
     with tempfile.TemporaryDirectory() as scratch:
-        trees = {"before": export_revision(args.baseline, scratch), "after": REPO}
+        before = os.path.abspath(args.baseline_tree) if args.baseline_tree else export_revision(args.baseline, scratch)
+        trees = {"before": before, "after": REPO}
         for _ in range(args.rounds):
             runs = {name: run_child(tree, args) for name, tree in trees.items()}
             shapes = []
