@@ -159,11 +159,18 @@ def environment() -> dict:
 
 def load_revision(path: str, revision: str):
     """The module at ``path`` (relative to the repository) as it was at git ``revision``, imported as a
-    module of its own, so that both versions of a kernel compile side by side in one run."""
+    module of its own, so that both versions of a kernel compile side by side in one run.
+    ``revision`` may also be the folder of a tree exported before (``git archive REV | tar -x -C
+    DIR``), for machines without the repository's history."""
     import importlib.util
     import subprocess
 
-    source = subprocess.run(["git", "show", f"{revision}:{path}"], capture_output=True, text=True, check=True).stdout
+    if os.path.isdir(revision):
+        with open(os.path.join(revision, path)) as f:
+            source = f.read()
+    else:
+        source = subprocess.run(["git", "show", f"{revision}:{path}"], capture_output=True, text=True,
+                                check=True).stdout
     name = os.path.splitext(os.path.basename(path))[0] + "_baseline"
     file = os.path.join(tempfile.mkdtemp(), name + ".py")
     with open(file, "w") as f:

@@ -43,7 +43,8 @@ def time_kernel(module, inputs, kv_bytes, bandwidth, **options):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--baseline", default="HEAD", help="git revision of the kernel to compare against")
+    parser.add_argument("--baseline", default="HEAD",
+                        help="git revision of the kernel to compare against, or the folder of an exported tree")
     args = parser.parse_args()
     baseline = load_revision(KERNEL_PATH, args.baseline)
     bandwidth = copy_bandwidth()

@@ -55,7 +55,8 @@ def _named_arrays(kernel):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--baseline", default="HEAD", help="git revision of the kernel to compare against")
+    parser.add_argument("--baseline", default="HEAD",
+                        help="git revision of the kernel to compare against, or the folder of an exported tree")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     baseline = load_revision(KERNEL_PATH, args.baseline)
