@@ -79,7 +79,7 @@ def child(args) -> dict:
         engine.runner.compile(key)
         compile_s = time.perf_counter() - start
         engine.runner.run_mixed(key, items)
-        times = []
+        times = []  # bench_decode's timing, written out: older trees' bench_decode has no helper for it
         for _ in range(args.repeats):
             start = time.perf_counter()
             engine.runner.run_mixed(key, items)
