@@ -127,6 +127,17 @@ def test_greedy_tokens_and_logprobs_do_not_depend_on_the_batch_sampling(strict_l
     assert all_greedy.logprobs == mixed.logprobs
 
 
+def test_request_token_ranges_cross_from_prompt_to_output():
+    """A preempted request recomputes prompt and outputs: its chunks may start in one and end in the other."""
+    from jaxinfer.engine.request import Request
+
+    r = Request(0, [10, 11, 12], SamplingParams(), seed=0, stop_ids=(), max_output_tokens=4, output_token_ids=[20, 21])
+    everything = [10, 11, 12, 20, 21]
+    for start in range(6):
+        for stop in range(start, 6):
+            assert r.tokens(start, stop) == everything[start:stop] == [r.token_at(i) for i in range(start, stop)]
+
+
 def test_compile_guard_catches_tracing():
     with pytest.raises(CompilationAfterWarmupError):
         with CompileGuard.get().serving():

@@ -76,14 +76,13 @@ def build_metadata(num_computed, num_new, block_tables, *, page_size: int, num_t
         valid = num_new > 0
         seq = rows
         positions = xp.where(valid, num_computed, 0).astype(int32)
-        tables = block_tables
+        page = xp.take_along_axis(block_tables, (positions // page_size)[:, None], axis=1)[:, 0]
     else:
         query_start = xp.concatenate([xp.zeros((1,), int32), xp.cumsum(num_new).astype(int32)])
         valid = rows < query_start[-1]
         seq = xp.minimum(xp.searchsorted(query_start[1:], rows, side="right"), num_seqs - 1).astype(int32)
         positions = xp.where(valid, num_computed[seq] + rows - query_start[seq], 0).astype(int32)
-        tables = block_tables[seq]
-    page = xp.take_along_axis(tables, (positions // page_size)[:, None], axis=1)[:, 0]
+        page = block_tables[seq, positions // page_size]  # one entry per token, not a copy of its table row
     slot_mapping = xp.where(valid, page * page_size + positions % page_size, -1).astype(int32)
     seq_lens = xp.where(num_new > 0, num_computed + num_new, 0).astype(int32)
     logits_indices = rows if decode else xp.maximum(query_start[1:] - 1, 0).astype(int32)

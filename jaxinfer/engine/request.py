@@ -57,3 +57,8 @@ class Request:
     def token_at(self, index: int) -> int:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """``all_token_ids[start:stop]`` without building the whole list (a prefill chunk's tokens)."""
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[start:min(stop, n)] + self.output_token_ids[max(start - n, 0):max(stop - n, 0)]

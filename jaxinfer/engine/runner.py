@@ -161,7 +161,7 @@ class ModelRunner:
         state_slots = np.full(s, -1, np.int32) if self.layout.num_slots else None
         offset = 0
         for row, (r, n) in enumerate(items):
-            token_ids[offset:offset + n] = [r.token_at(i) for i in range(r.num_computed, r.num_computed + n)]
+            token_ids[offset:offset + n] = r.tokens(r.num_computed, r.num_computed + n)
             num_computed[row], num_new[row] = r.num_computed, n
             block_tables[row, :len(r.pages)] = r.pages
             if state_slots is not None:
