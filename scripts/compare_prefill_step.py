@@ -3,8 +3,9 @@ kernels.
 
 Each tree (the revision's, exported with ``git archive``, and the working tree) builds the engine
 of ``bench_decode``'s model shape in a process of its own, compiles the mixed step of each prefill
-shape, times it (median wall time of ``--repeats`` calls, as ``bench_decode`` does) and traces
-``--trace-calls`` more under the profiler, whose GPU timeline is summed by kernel (name and HLO op).
+shape, times it (median wall time of ``--repeats`` calls, as ``bench_decode`` does, and apart the
+host's share of it: building the step's inputs) and traces ``--trace-calls`` more under the
+profiler, whose GPU timeline is summed by kernel (name and HLO op).
 The trees take turns, ``--rounds`` times, so a drift of the machine shows as a drift within each
 tree's rows. A change that moved a whole-step figure is found by the kernels whose time moved.
 
@@ -14,7 +15,7 @@ Where the repository's history is not at hand, export the revision first (``git 
 tar -x -C DIR``) and pass ``--baseline-tree DIR``.
 
 The child uses only what both trees have: ``bench_decode.build_engine`` with its first keywords,
-``Request``, ``CompileKey`` and ``runner.run_mixed``, so attention-only models (``llama3-8b``,
+``Request``, ``CompileKey``, ``runner.mixed_inputs`` and ``runner.run_mixed``, so attention-only models (``llama3-8b``,
 ``qwen3-30b-a3b``) of revisions back to the bucketed engine work. Off a GPU (a smoke run) the
 kernel summary is left out.
 """
@@ -84,7 +85,13 @@ def child(args) -> dict:
             start = time.perf_counter()
             engine.runner.run_mixed(key, items)
             times.append(time.perf_counter() - start)
-        row = {"batch": batch, "prompt": length, "seconds": float(np.median(times)), "compile_s": compile_s}
+        host = []  # the step's inputs built on the host, part of the wall time above
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            engine.runner.mixed_inputs(key, items)
+            host.append(time.perf_counter() - start)
+        row = {"batch": batch, "prompt": length, "seconds": float(np.median(times)), "compile_s": compile_s,
+               "host_inputs_s": float(np.median(host))}
         if on_gpu:
             with tempfile.TemporaryDirectory() as trace_dir:
                 with jax.profiler.trace(trace_dir):
@@ -155,7 +162,8 @@ def main():
             for before, after in zip(runs["before"]["rows"], runs["after"]["rows"]):
                 row = {"batch": after["batch"], "prompt": after["prompt"], "before_s": before["seconds"],
                        "after_s": after["seconds"], "after_over_before": after["seconds"] / before["seconds"],
-                       "compile_s": [before["compile_s"], after["compile_s"]]}
+                       "compile_s": [before["compile_s"], after["compile_s"]],
+                       "host_inputs_s": [before["host_inputs_s"], after["host_inputs_s"]]}
                 if "kernels_us" in after:
                     row["kernel_us_total"] = [before["kernel_us_total"], after["kernel_us_total"]]
                     row["moved"] = kernel_deltas(before["kernels_us"], after["kernels_us"])
