@@ -5,9 +5,10 @@ Each tree (the revision's, exported with ``git archive``, and the working tree) 
 of ``bench_decode``'s model shape in a process of its own, compiles the mixed step of each prefill
 shape, times it (median wall time of ``--repeats`` calls, as ``bench_decode`` does, and apart the
 host's share of it: building the step's inputs) and traces ``--trace-calls`` more under the
-profiler, whose GPU timeline is summed by kernel (name and HLO op).
-The trees take turns, ``--rounds`` times, so a drift of the machine shows as a drift within each
-tree's rows. A change that moved a whole-step figure is found by the kernels whose time moved.
+profiler, whose GPU timeline is summed by kernel (name and HLO op). The trees take turns,
+``--rounds`` times, the baseline first in the first, third, ... round and second in the others, so
+a drift of the machine, or a cost of going first or second, shows within each tree's rows. A change
+that moved a whole-step figure is found by the kernels whose time moved.
 
     PYTHONPATH=. python3 scripts/compare_prefill_step.py --baseline 829657a   # writes prefill_step_ab.json
 
@@ -156,8 +157,9 @@ def main():
     with tempfile.TemporaryDirectory() as scratch:
         before = os.path.abspath(args.baseline_tree) if args.baseline_tree else export_revision(args.baseline, scratch)
         trees = {"before": before, "after": REPO}
-        for _ in range(args.rounds):
-            runs = {name: run_child(tree, args) for name, tree in trees.items()}
+        for round_index in range(args.rounds):
+            order = ["before", "after"] if round_index % 2 == 0 else ["after", "before"]
+            runs = {name: run_child(trees[name], args) for name in order}
             shapes = []
             for before, after in zip(runs["before"]["rows"], runs["after"]["rows"]):
                 row = {"batch": after["batch"], "prompt": after["prompt"], "before_s": before["seconds"],
@@ -171,7 +173,7 @@ def main():
                 print({k: v for k, v in row.items() if k != "moved"}, flush=True)
                 for moved in row.get("moved", [])[:5]:
                     print("   ", moved, flush=True)
-            result["rounds"].append({"shapes": shapes, "runs": runs})
+            result["rounds"].append({"first": order[0], "shapes": shapes, "runs": runs})
             write_json("prefill_step_ab.json", result)
 
 
