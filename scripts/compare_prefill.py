@@ -10,15 +10,14 @@ largest difference from the baseline's output. Two rounds, alternating.
     PYTHONPATH=. python3 scripts/compare_prefill.py --baseline HEAD~1   # writes prefill_ab.json
 
 The baseline's kernel file runs against the working tree's package, which revisions from ``e8d7ac1``
-on allow (before it the kernel took the metadata object and called ``query_blocks`` with it);
-``compare_prefill_step.py`` compares the whole step of any revision.
+on allow (before it the kernel took the metadata object and called ``query_blocks`` with it: the
+import fails or the call does); ``compare_prefill_step.py`` compares the whole step of any revision.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import inspect
 import os
 import sys
 
@@ -37,22 +36,6 @@ SHAPES = ((4, 4096, 32, 32), (1, 8192, 32, 32), (2, 2048, 16, 16),  # (sequences
 PAGE_SIZE = 16
 
 
-def _named_arrays(kernel):
-    """A baseline kernel that took the step's metadata object, called with the named arrays."""
-    if "md" not in inspect.signature(kernel).parameters:
-        return kernel
-
-    def call(q, k, v, positions, token_seq_ids, block_tables, seq_lens, **options):
-        from jaxinfer.cache.metadata import AttentionMetadata
-
-        md = AttentionMetadata(positions=positions, slot_mapping=jnp.where(token_seq_ids < 0, -1, 0),
-                               token_seq_ids=token_seq_ids, block_tables=block_tables, seq_lens=seq_lens,
-                               logits_indices=jnp.zeros_like(seq_lens))
-        return kernel(q, k, v, md, **options)
-
-    return call
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", default="HEAD",
@@ -60,7 +43,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     baseline = load_revision(KERNEL_PATH, args.baseline)
-    kernels = {"before": _named_arrays(baseline.ragged_paged_attention), "after": prefill_mgpu.ragged_paged_attention,
+    kernels = {"before": baseline.ragged_paged_attention, "after": prefill_mgpu.ragged_paged_attention,
                "after_one_head": functools.partial(prefill_mgpu.ragged_paged_attention, heads_per_program=1),
                "after_two_heads": functools.partial(prefill_mgpu.ragged_paged_attention, heads_per_program=2)}
     num_sms = jax.devices()[0].core_count

@@ -17,8 +17,8 @@ tar -x -C DIR``) and pass ``--baseline-tree DIR``.
 
 The child uses only what both trees have: ``bench_decode.build_engine`` with its first keywords,
 ``Request``, ``CompileKey``, ``runner.mixed_inputs`` and ``runner.run_mixed``, so attention-only
-models (``llama3-8b``, ``qwen3-30b-a3b``) of revisions back to the bucketed engine work. Off a GPU (a smoke run) the
-kernel summary is left out.
+models (``llama3-8b``, ``qwen3-30b-a3b``) of revisions back to the bucketed engine work. Off a GPU
+(a smoke run) the kernel summary is left out.
 """
 
 from __future__ import annotations
