@@ -25,6 +25,7 @@ OPTIONS = dict(dtype="float32", max_model_len=32, max_num_seqs=2, max_num_batche
 # tests/test_mla.py ("q-lora-yarn-interleaved-groups") give them, so that they are shared.
 FAMILIES = {
     "llama": {},
+    "qwen3_next": {},  # its gated delta rule solves a triangular system: LAPACK on the CPU
     "qwen3_moe": dict(head_dim=16, intermediate_size=48, num_experts=8, num_experts_per_tok=2,
                       moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]),
     "deepseek_v3": dict(num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
@@ -276,3 +277,113 @@ def test_a_portable_export_loads_without_tracing_the_model(exports, tmp_path, mo
         out = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=SamplingParams(**{**GREEDY, "max_tokens": 8}))
     assert llm.startup_report.programs_from_export == 2 + 2
     assert out[0].token_ids == live[0][:8]
+
+
+# ---- an export directory is data ------------------------------------------------------------------
+
+
+class _Planted:
+    """A pickle that creates a file when unpickled: what a hostile program file would hold."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def _replace_program(export, name, data):
+    """Write ``data`` as program ``name``'s file and record it in the manifest, as someone who can
+    write the directory could."""
+    import hashlib
+
+    def edit(manifest):
+        entry = next(p for p in manifest["programs"] if p["name"] == name)
+        with open(os.path.join(export, entry["file"]), "wb") as f:
+            f.write(data)
+        entry.update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+
+    _edit_manifest(export, edit)
+
+
+def test_a_planted_pickle_is_never_unpickled(exports, tmp_path):
+    import pickle
+
+    path, export, _ = exports["llama"]
+    with open(os.path.join(export, MANIFEST_FILE)) as f:
+        names = [p["name"] for p in json.load(f)["programs"]]
+    grid_program = next(n for n in names if n not in ("allocate_caches", "check_finite"))
+    for name in ("check_finite", "allocate_caches", grid_program):
+        copy = _copy(export, tmp_path, name)
+        marker = tmp_path / f"{name}-ran"
+        _replace_program(copy, name, pickle.dumps(_Planted(str(marker))))
+        with pytest.raises(ExportError, match="malformed executable file: not a jaxinfer executable file"):
+            LLM(path, executables=copy, show_progress=False)
+        assert not marker.exists()
+
+
+def test_a_forged_description_names_no_python_type(exports, tmp_path):
+    """The JSON beside the executable may name only the pytree nodes an export can hold."""
+    import struct
+
+    from jaxinfer.engine import executable_file
+
+    path, export, _ = exports["llama"]
+    copy = _copy(export, tmp_path)
+    with open(os.path.join(copy, MANIFEST_FILE)) as f:
+        entry = next(p for p in json.load(f)["programs"] if p["key"])
+    with open(os.path.join(copy, entry["file"]), "rb") as f:
+        data = f.read()
+    start = len(executable_file.MAGIC) + 8
+    (length,) = struct.unpack_from("<Q", data, len(executable_file.MAGIC))
+    header = json.loads(data[start:start + length])
+    header["out_tree"] = ["posix.system", {"tuple": ["touch /tmp/x"]}, []]
+    text = json.dumps(header).encode()
+    forged = executable_file.MAGIC + struct.pack("<Q", len(text)) + text + data[start + length:]
+    _replace_program(copy, entry["name"], forged)
+    with pytest.raises(ExportError, match="unknown tree node type 'posix.system'"):
+        LLM(path, executables=copy, show_progress=False)
+
+
+def test_a_program_file_is_the_executable_and_a_json_description(exports):
+    from jaxinfer.engine import executable_file
+
+    _, export, _ = exports["deepseek_v3"]
+    with open(os.path.join(export, MANIFEST_FILE)) as f:
+        entry = next(p for p in json.load(f)["programs"] if p["key"] and p["key"]["kind"] == "decode")
+    with open(os.path.join(export, entry["file"]), "rb") as f:
+        header, payload = executable_file._split(f.read())
+    assert payload and header["in_tree"][0] == "tuple" and header["no_kwargs"] is False
+    names = set()
+
+    def nodes(tree):
+        if tree != "*":
+            names.add(tree[0])
+            for child in tree[2]:
+                nodes(child)
+
+    nodes(header["in_tree"])
+    assert "jaxinfer.engine.runner.DecodeState" in names and "jaxinfer.engine.sampling.SamplingBatch" in names
+    assert any(a["donated"] for a in header["args"])  # the caches
+
+
+@pytest.mark.parametrize("link", ["manifest", "program", "programs folder"])
+def test_reads_stay_inside_the_export_directory(exports, tmp_path, link, no_loading):
+    """A manifest, program file or programs folder that is a symlink out of the directory is refused,
+    even when what it points at is a faithful copy."""
+    path, export, _ = exports["llama"]
+    copy = _copy(export, tmp_path)
+    outside = _copy(export, tmp_path, "outside")
+    if link == "manifest":
+        target = os.path.join(copy, MANIFEST_FILE)
+        os.replace(target, os.path.join(outside, MANIFEST_FILE))
+        os.symlink(os.path.join(outside, MANIFEST_FILE), target)
+    elif link == "program":
+        name = sorted(os.listdir(os.path.join(copy, "programs")))[0]
+        os.remove(os.path.join(copy, "programs", name))
+        os.symlink(os.path.join(outside, "programs", name), os.path.join(copy, "programs", name))
+    else:
+        shutil.rmtree(os.path.join(copy, "programs"))
+        os.symlink(os.path.join(outside, "programs"), os.path.join(copy, "programs"))
+    with pytest.raises(ExportError, match="outside the export directory"):
+        LLM(path, executables=copy, show_progress=False)

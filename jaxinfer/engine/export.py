@@ -5,17 +5,21 @@ under ``programs/``: every key of the bucket grid, the cache allocation (``alloc
 finiteness check of the loaded weights (``check_finite``), so that nothing between process start and
 the first token is compiled. A program is written in one of two forms:
 
-* ``executable``: the compiled executable (``jax.experimental.serialize_executable``). It loads with
-  no tracing and no compilation, on the jax, jaxlib and device kind it was built with only.
+* ``executable``: the compiled executable as data (``jaxinfer.engine.executable_file``: XLA's
+  serialized executable and a JSON description of how jax calls it; no pickle). It loads with no
+  tracing and no compilation, on the jax, jaxlib and device kind it was built with only.
 * ``stablehlo`` (``portable=True``): the program's StableHLO (``jax.export``), which any later jax on
   the same platform can compile (loading compiles, through the persistent compilation cache, but
   never traces model code). Only a program whose every custom call is export-stable can take it; a
   program with a Pallas-Triton kernel cannot, and stays an executable (the manifest says why).
 
-**An export directory must be trusted like code.** Serialized executables are pickles, and loading
-one can run arbitrary code. Only the files the manifest lists are read, and each is checked against
-the size and sha256 the manifest records before it is unpickled, so a corrupt, truncated or
-replaced file is refused; but whoever can write the directory can write a matching manifest too.
+An export directory is data, like a checkpoint folder: nothing in it is unpickled or imported, so
+reading it runs no Python code from it. Every read is confined to the directory after symlinks are
+resolved (``ExportFolder``); only the files the manifest lists are read, each checked against the
+size and sha256 the manifest records (which catches corruption and truncation, not a forger, who
+can rewrite the manifest too). The programs themselves are compiled code for the device that XLA
+runs as it runs any program it compiled: serve executables from a source you trust with your
+devices, or a portable export, which this machine compiles itself.
 """
 
 from __future__ import annotations
@@ -26,17 +30,17 @@ import dataclasses
 import hashlib
 import importlib.util
 import os
-import pickle
 import shutil
 import tempfile
 
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.engine import executable_file
 from jaxinfer.engine.aot import CompileKey
 from jaxinfer.engine.manifest import (ALLOCATE, CHECK_FINITE, EXECUTABLE, MANIFEST_FILE, PROGRAM_OPTIONS, STABLEHLO,
-                                      Manifest, ProgramEntry, config_fingerprint, environment, spec_to_json,
-                                      weights_fingerprint)
+                                      ExportFolder, Manifest, ProgramEntry, config_fingerprint, environment,
+                                      spec_to_json, weights_fingerprint)
 from jaxinfer.errors import ExportError, ExportMismatchError
 from jaxinfer import weights
 from jaxinfer.kernels import registry as kernel_registry
@@ -70,13 +74,6 @@ def _serialize_stablehlo(jitted, args) -> tuple[bytes | None, str | None]:
             raise
         return None, " ".join(str(e).split())[:300]
     return bytes(exported.serialize()), None
-
-
-def _serialize_executable(compiled: jax.stages.Compiled) -> bytes:
-    from jax.experimental import serialize_executable
-
-    payload, in_tree, out_tree = serialize_executable.serialize(compiled)
-    return pickle.dumps((payload, in_tree, out_tree), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _layout_json(layout, mesh) -> dict:
@@ -213,7 +210,7 @@ def write_export(engine, directory: str, *, portable: bool = False, progress: bo
         entries = []
         for name, key, _, _ in programs:
             form = STABLEHLO if stablehlo.get(name) is not None else EXECUTABLE
-            data = stablehlo[name] if form == STABLEHLO else _serialize_executable(compiled[name])
+            data = stablehlo[name] if form == STABLEHLO else executable_file.serialize(compiled[name])
             file = _file_name(name, key, form)
             with open(os.path.join(staging, file), "wb") as f:
                 f.write(data)
@@ -251,21 +248,33 @@ def _avals(tree) -> list[tuple[tuple[int, ...], str]]:
     return [(tuple(x.shape), jnp.dtype(x.dtype).name) for x in leaves]
 
 
+def _prepare_runtime() -> None:
+    """What jax sets up for a program when it lowers one, done here for programs it never lowered:
+    on the CPU, jaxlib's table of LAPACK functions (a triangular solve calls through it; a program
+    loaded into a process that lowered none would call through an empty entry and crash)."""
+    if jax.default_backend() == "cpu":
+        from jax._src.lax import linalg
+
+        linalg.initialize_lapack()
+
+
 class ProgramSet:
     """The programs of an export directory whose manifest has been checked, loaded one by one:
     each file's sha256 is checked again on the bytes that are then deserialized."""
 
     def __init__(self, directory: str, manifest: Manifest, mesh):
         self.directory = directory
+        self.folder = ExportFolder(directory)
         self.manifest = manifest
         self.mesh = mesh
         self.num_loaded = 0
+        _prepare_runtime()
+
 
     def _read(self, entry: ProgramEntry) -> bytes:
         path = os.path.join(self.directory, entry.file)
-        with open(path, "rb") as f:
-            data = f.read()
-        if len(data) != entry.size or hashlib.sha256(data).hexdigest() != entry.sha256:
+        data = self.folder.read_bytes(entry.file, what=f"the program file of {entry.name}")
+        if data is None or len(data) != entry.size or hashlib.sha256(data).hexdigest() != entry.sha256:
             raise ExportError(f"{path} changed after the export's files were checked: export again")
         return data
 
@@ -279,13 +288,11 @@ class ProgramSet:
             params, caches, *inputs = args
             flat_args = (params, caches, *jax.tree.leaves(inputs))
         if entry.form == EXECUTABLE:
-            from jax.experimental import serialize_executable
-
             try:
-                payload, in_tree, out_tree = pickle.loads(data)
-                program = serialize_executable.deserialize_and_load(
-                    payload, in_tree, out_tree, execution_devices=list(self.mesh.devices.flat))
-            except Exception as e:  # the file is ours (sha256-checked): this is a jax / device mismatch
+                program = executable_file.deserialize(data, list(self.mesh.devices.flat))
+            except ExportError as e:
+                raise ExportError(f"{path}: {e}; export again") from e
+            except Exception as e:  # XLA refused the bytes: another jax build or device
                 raise ExportMismatchError(f"{path} does not load here ({type(e).__name__}: {e}); export again") from e
             taken = _avals(program.args_info)
         else:

@@ -22,7 +22,7 @@ import os
 import jax
 import jaxlib
 
-from jaxinfer.checkpoint_folder import CheckpointFolder
+from jaxinfer.checkpoint_folder import CheckpointFolder, ConfinedFolder
 from jaxinfer.engine.aot import CompileKey
 from jaxinfer.errors import ExportError, ExportMismatchError
 
@@ -41,6 +41,18 @@ CHECK_FINITE = "check_finite"  # the program that refuses NaN / Inf weights afte
 # compilation cache, progress bars, ...) are free at load time.
 PROGRAM_OPTIONS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "num_pages",
                    "decode_steps", "max_logprobs", "max_stop_token_ids", "min_token_bucket", "page_bucket_growth")
+
+
+class ExportFolder(ConfinedFolder):
+    """An export directory: every file read resolves, after symlinks, inside it."""
+
+    error = ExportError
+    kind = "export directory"
+
+    def __init__(self, path: str):
+        if not os.path.isdir(path):
+            raise ExportError(f"{path!r} is not a folder: point at a directory written by `jaxinfer export`")
+        super().__init__(path)
 
 
 def sha256_file(path: str) -> str:
@@ -134,14 +146,12 @@ class Manifest:
     def read(cls, directory: str) -> "Manifest":
         """The manifest of an export directory; ``ExportError`` when it is missing or malformed."""
         path = os.path.join(directory, MANIFEST_FILE)
-        if not os.path.isdir(directory):
-            raise ExportError(f"{directory!r} is not a folder: point at a directory written by `jaxinfer export`")
-        if not os.path.isfile(path):
+        data = ExportFolder(directory).read_bytes(MANIFEST_FILE, what="the manifest")
+        if data is None:
             raise ExportError(f"{directory!r} holds no {MANIFEST_FILE}: it is not an export (write one with "
                               "`jaxinfer export` or LLM.export)")
         try:
-            with open(path, encoding="utf-8") as f:
-                raw = json.load(f)
+            raw = json.loads(data.decode("utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             raise ExportError(f"{path} is not valid JSON (truncated or edited?): {e}") from e
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
@@ -245,17 +255,19 @@ class Manifest:
         return {name: self.engine[name] for name in PROGRAM_OPTIONS}
 
     def check_files(self, directory: str) -> None:
-        """Every program file is present with the size and sha256 the manifest records (so no file we
-        did not write is ever unpickled)."""
+        """Every program file is present inside the directory with the size and sha256 the manifest
+        records."""
+        folder = ExportFolder(directory)
         for p in self.programs:
             path = os.path.join(directory, p.file)
-            if not os.path.isfile(path):
+            real = folder.resolve(p.file, what=f"the program file of {p.name}")
+            if real is None:
                 raise ExportError(f"{path} is missing (the manifest lists it for {p.name}): the export is incomplete")
-            size = os.path.getsize(path)
+            size = os.path.getsize(real)
             if size != p.size:
                 raise ExportError(f"{path} has {size} bytes; the manifest records {p.size} for {p.name}: the file "
                                   "is truncated or was replaced, or the manifest was edited: export again")
-            if sha256_file(path) != p.sha256:
+            if sha256_file(real) != p.sha256:
                 raise ExportError(f"{path} does not match the sha256 the manifest records for {p.name}: the file is "
                                   "corrupt or was replaced, or the manifest was edited: export again")
 
