@@ -95,14 +95,18 @@ def cmd_generate(args) -> int:
         outputs = llm.generate(args.prompt, params)
     if args.verbose:
         print("\n".join(llm.startup_report.lines()), file=sys.stderr)
-    for out in outputs:
+    failed = False
+    for number, out in enumerate(outputs, 1):
         if args.json:
             print(json.dumps({"prompt": out.prompt, "text": out.text, "token_ids": out.token_ids,
-                              "finish_reason": out.finish_reason}))
+                              "finish_reason": out.finish_reason, "error": out.error}))
         else:
             text = out.text if llm.tokenizer is not None else str(out.token_ids)
             print(printable(text) if sys.stdout.isatty() else text)
-    return 0
+        if out.error is not None:  # the request ended early (e.g. logits that were not finite): exit 1
+            print(f"error: prompt {number}: {out.error}", file=sys.stderr)
+            failed = True
+    return 1 if failed else 0
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -239,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     """Run a command; a user error (bad input, a missing or unreadable file) prints ``error: ...`` and
-    exits 2, an interrupt exits 130, both without a traceback."""
+    exits 2, an interrupt exits 130, both without a traceback. ``generate`` exits 1 when a request
+    ended with an error (printed as ``error: prompt N: ...``; its output is printed too)."""
     args = build_parser().parse_args(argv)
     if args.command == "generate" and not (args.prompt or args.prompt_ids):
         args.prompt = ["Hello"]

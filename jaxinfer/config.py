@@ -164,9 +164,32 @@ def _rejected(config_class, error: Exception) -> ConfigError:
     return ConfigError(f"config.json is rejected by transformers' {config_class.__name__}: {message}")
 
 
+def _check_before_transformers(raw: dict, config_class) -> None:
+    """The fields transformers' config classes compute the layer pattern from as they are built
+    (``full_attention_interval``, Kimi-Linear's ``linear_attn_config``), checked first: a bad one is
+    named here rather than failing inside transformers or making a wrong pattern there."""
+    for part in (raw, raw.get("text_config")):
+        if isinstance(part, dict):
+            checks.optional(checks.integer, part.get("full_attention_interval"), "full_attention_interval", ge=1)
+    if raw.get("model_type") != "kimi_linear" or "linear_attn_config" not in raw:
+        return
+    linear = raw["linear_attn_config"]
+    if not isinstance(linear, dict):
+        raise ConfigError("linear_attn_config must be a mapping (kda_layers, full_attn_layers, num_heads, head_dim, "
+                          f"short_conv_kernel_size), got {linear!r}")
+    n = checks.integer(raw.get("num_hidden_layers", config_class.num_hidden_layers), "num_hidden_layers", ge=1)
+    kda, full = (checks.optional(checks.integer_list, linear.get(key), f"linear_attn_config.{key}", ge=1, le=n)
+                 for key in ("kda_layers", "full_attn_layers"))  # 1-indexed
+    if raw.get("layer_types") is None and kda is not None and full is not None:  # transformers derives layer_types
+        if sorted(kda + full) != list(range(1, n + 1)):
+            raise ConfigError(f"linear_attn_config.kda_layers {list(kda)} and full_attn_layers {list(full)} must name "
+                              f"each of the layers 1..{n} exactly once")
+
+
 def hf_config_from_dict(raw: Any):
     """The contents of a ``config.json`` -> the transformers config object, as ``AutoConfig`` builds it."""
     config_class = _hf_config_class(raw)
+    _check_before_transformers(raw, config_class)
     try:  # a deep copy: transformers edits nested dicts (rope_parameters) in place
         return config_class.from_dict(copy.deepcopy(raw))
     except Exception as e:  # transformers' own validation: a wrong type, a missing rope key, ...
@@ -179,6 +202,7 @@ def hf_config_from_folder(folder: CheckpointFolder):
     if raw is None:
         raise ConfigError(f"no config.json in {folder.path!r}: point at a HuggingFace checkpoint folder")
     config_class = _hf_config_class(raw)
+    _check_before_transformers(raw, config_class)
     from transformers import AutoConfig
 
     try:
@@ -225,6 +249,8 @@ class ModelConfig:
     rope_by_layer_type: tuple[tuple[str, RopeConfig], ...] = ()  # (layer type, its RoPE) where they differ
     extra: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
     hf: Any = dataclasses.field(default=None, compare=False, repr=False)  # the transformers config object
+    # The text config as config.json writes it, before transformers renames old values ("mamba").
+    written: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def rope_for(self, layer_type: str | None) -> RopeConfig:
         """The RoPE of layers of ``layer_type`` ("sliding_attention", ...): its own where
@@ -272,11 +298,32 @@ class ModelConfig:
         value = self.get(key)
         return () if value is None else checks.integer_list(value, key, **bounds)
 
+    def layer_kinds(self, key: str, allowed: tuple[str, ...], default: str | None = None) -> tuple[str, ...]:
+        """``key`` (``layer_types``, ``mlp_layer_types``, ...) checked to list one of ``allowed`` per
+        layer, as config.json writes it: transformers reads some old names as new ones ("mamba" as
+        "linear_attention"), which no family here writes. ``default`` for every layer when unset."""
+        n, read, written = self.num_hidden_layers, self.get(key), self.written.get(key)
+        kinds = read if written is None else written
+        if kinds is None and default is not None:
+            return (default,) * n
+        names = " or ".join(map(repr, allowed))
+        if not isinstance(kinds, (list, tuple)) or len(kinds) != n:
+            raise ConfigError(f"{key} must list {names} for each of the {n} layers, got {kinds!r}")
+        bad = [i for i, kind in enumerate(kinds) if kind not in allowed]
+        if bad:
+            values = ", ".join(dict.fromkeys(repr(kinds[i]) for i in bad))
+            first, hint = bad[0], ""
+            if kinds is written and isinstance(read, (list, tuple)) and len(read) == n and read[first] in allowed:
+                hint = f" (transformers reads {kinds[first]!r} as {read[first]!r}: write that if it is meant)"
+            raise ConfigError(f"{key} holds {values}; {self.model_type} layers are {names}{hint}")
+        return tuple(kinds)
+
     # ---- construction ------------------------------------------------------------------------------
 
     @classmethod
-    def from_hf(cls, hf) -> "ModelConfig":
-        """The typed view of a transformers config object (its text model's, for multimodal wrappers)."""
+    def from_hf(cls, hf, written: dict | None = None) -> "ModelConfig":
+        """The typed view of a transformers config object (its text model's, for multimodal wrappers);
+        ``written``: the config.json it was read from."""
         architectures = getattr(hf, "architectures", None)
         if not architectures or not isinstance(architectures, (list, tuple)) or not isinstance(architectures[0], str):
             raise ConfigError(
@@ -284,6 +331,8 @@ class ModelConfig:
             )
         text = hf.get_text_config()
         raw = text.to_dict()
+        if text is not hf:  # a multimodal wrapper: its text model's part
+            written = (written or {}).get("text_config")
         # ``to_dict`` writes an ``attribute_map`` alias under its target's name (Kimi-Linear stores
         # ``max_position_embeddings`` as ``model_max_length``); the alias reads the same, as in HF.
         for alias, target in getattr(type(text), "attribute_map", {}).items():
@@ -301,6 +350,10 @@ class ModelConfig:
                               f"num_attention_heads ({heads}): head_dim = hidden_size // heads would be 0")
         else:
             head_dim = sizes["hidden_size"] // heads  # HF's default
+        rotary_dim = raw.get("rotary_dim")  # MiniMax-M2's; transformers makes it partial_rotary_factor * head_dim
+        if rotary_dim is not None and not (checks.is_integer(rotary_dim) and 2 <= rotary_dim <= head_dim
+                                           and rotary_dim % 2 == 0):
+            raise ConfigError(f"rotary_dim must be an even integer >= 2 and <= head_dim ({head_dim}), got {rotary_dim!r}")
         intermediate = raw.get("intermediate_size")
         hidden_act = raw.get("hidden_act", "silu")
         if not isinstance(hidden_act, str):
@@ -332,15 +385,16 @@ class ModelConfig:
             eos_token_ids=eos_id_list(raw.get("eos_token_id"), "eos_token_id", sizes["vocab_size"]),
             extra=raw,
             hf=hf,
+            written=written if isinstance(written, dict) else {},
         )
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
         """From the contents of a ``config.json``, read through transformers' class for its model type."""
-        return cls.from_hf(hf_config_from_dict(raw))
+        return cls.from_hf(hf_config_from_dict(raw), raw)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike | CheckpointFolder) -> "ModelConfig":
         """From a checkpoint folder's ``config.json`` (confined to the folder, never remote code)."""
         folder = path if isinstance(path, CheckpointFolder) else CheckpointFolder(path)
-        return cls.from_hf(hf_config_from_folder(folder))
+        return cls.from_hf(hf_config_from_folder(folder), folder.read_json("config.json"))

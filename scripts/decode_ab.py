@@ -38,6 +38,8 @@ steps trace, and so pick their ops, then). The variants:
   all-greedy loop (``ModelRunner._decode_loop``).
 - ``greedy-sampler``: every sampler a bare argmax, without its ``cond``s (it ignores temperature and
   the filters; main's all-greedy loop already samples greedy batches this way).
+- ``unchecked-logits``: the sampler without its check that each row's logits are finite (main ends a
+  request whose logits are NaN / Inf with an error instead of sampling them).
 - ``logprobs``: the engine built with ``max_logprobs=5`` (its default) instead of None, no request asking.
 - ``trigger-FAMILY=POINT[,FAMILY=POINT...]``: the Pallas kernels of those families let the next kernel
   launch at another point (``jaxinfer.kernels.pdl``: ``start``, or ``none``: as the last program
@@ -144,6 +146,17 @@ def variant_context(name: str):
         from jaxinfer.engine import runner
 
         return _patched(runner, "sample", _greedy_sample)
+    if name == "unchecked-logits":
+        import jax.numpy as jnp
+
+        from jaxinfer.engine import runner, sampling
+
+        def unchecked(logits, batch, num_logprobs=None, all_greedy=False):
+            greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            tokens = greedy if all_greedy else sampling._draw(logits, greedy, batch)
+            return tokens, sampling._logprobs(logits, tokens, batch, num_logprobs)
+
+        return _patched(runner, "sample", unchecked)
     if name == "unfused-rotary-decode":
         return _replaced("attention.rotary_paged_decode_attention", _unfused_rotary_decode)
     if name in ("skinny-router", "skinny-one-row"):
@@ -219,7 +232,7 @@ def _norm_then_project(x, residual, norm_weight, weights, biases=None, *, eps, u
 
 NAMED_VARIANTS = ("unfused-rotary-decode", "skinny-router", "skinny-one-row", "moe-down-four-stages",
                   "unfused-norm-project", "norm-project-8x2048", "graph-loop", "greedy-sampler", "xla-sort",
-                  "logprobs", "one-sampler-loop", "moe-block-ops", "decode-kv-first")
+                  "logprobs", "one-sampler-loop", "moe-block-ops", "decode-kv-first", "unchecked-logits")
 VARIANT_FORMS = ("decode-blocks-N", "decode-splits-N", "decode-warps-N", "trigger-FAMILY=POINT,...", "VARIANT+VARIANT")
 
 

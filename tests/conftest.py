@@ -116,17 +116,52 @@ def hf_greedy(hf_model, prompt, max_tokens=16):
     return out[0, len(prompt):].tolist()
 
 
+def hf_next_logits(hf_model):
+    """``ids ->`` HF's float32 logits of the token after ``ids`` (for ``assert_same_greedy_tokens``)."""
+    import torch
+
+    def next_logits(ids):
+        with torch.no_grad():
+            return hf_model(torch.tensor([ids])).logits[0, -1].numpy()
+
+    return next_logits
+
+
+# Two float32 runs of one model in other batches, bucket shapes, programs or implementations give
+# logits that differ in their last bits (about 1e-6; 1e-5 against HF), which can flip an argmax
+# between two logits that close and no others.
+NEAR_TIE = 1e-4
+
+
+def assert_same_greedy_tokens(got, want, prompts, next_logits, near_tie=NEAR_TIE):
+    """Greedy continuations of ``prompts`` (one list each) are equal, or part at a near tie: where
+    they first differ, both tokens' logits (``next_logits(ids)``: those of the token after ``ids``)
+    are within ``near_tie`` of the best. What follows is not compared: each continues its own text."""
+    assert len(got) == len(want) == len(prompts)
+    for prompt, g, w in zip(prompts, got, want):
+        if list(g) == list(w):
+            continue
+        step = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None)
+        assert step is not None, f"the greedy continuations of {prompt} differ in length: {g} vs {w}"
+        logits = np.asarray(next_logits(list(prompt) + list(g[:step])), np.float32)
+        best = float(logits.max())
+        assert best - min(logits[g[step]], logits[w[step]]) <= near_tie, (
+            f"the greedy continuations of {prompt} part at step {step} ({g[step]} vs {w[step]}) with no near tie: "
+            f"their logits {logits[g[step]]:.6f} and {logits[w[step]]:.6f}, the best {best:.6f}")
+
+
 def assert_greedy_matches_hf(path, hf_model, prompts, max_tokens=16, max_num_seqs=4):
-    """Greedy tokens from our engine (float32, small buckets) equal HF ``generate``'s, prompt by prompt."""
+    """Greedy tokens from our engine (float32, small buckets) equal HF ``generate``'s, prompt by prompt
+    (up to a near tie: ``assert_same_greedy_tokens``)."""
     from jaxinfer import LLM, SamplingParams
 
     llm = LLM(path, dtype="float32", max_model_len=64, max_num_seqs=max_num_seqs, max_num_batched_tokens=32,
               page_size=8, warmup=False, show_progress=False)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens,
                                                                                  ignore_eos=True))
-    for prompt, out in zip(prompts, outs):
-        assert out.token_ids == hf_greedy(hf_model, prompt, max_tokens)
-        assert out.finish_reason == "length"
+    assert_same_greedy_tokens([o.token_ids for o in outs], [hf_greedy(hf_model, p, max_tokens) for p in prompts],
+                              prompts, hf_next_logits(hf_model))
+    assert all(out.finish_reason == "length" for out in outs)
 
 
 def assert_logits_and_greedy_match_hf(path, hf_model):
@@ -162,8 +197,8 @@ def assert_slots_handed_on_match_hf(llm, hf_model):
     prompts = random_prompts([9, 26, 3, 40, 14, 21], seed=2)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=16,
                                                                                  ignore_eos=True))
-    for prompt, out in zip(prompts, outs):
-        assert out.token_ids == hf_greedy(hf_model, prompt)
+    assert_same_greedy_tokens([o.token_ids for o in outs], [hf_greedy(hf_model, p) for p in prompts], prompts,
+                              hf_next_logits(hf_model))
     assert llm.engine.scheduler.slots.num_free == llm.engine.layout.num_slots
 
 
@@ -182,8 +217,8 @@ def assert_mixed_workload_runs(llm):
 
 def assert_serving_is_consistent(path):
     """Four prompts (3-40 tokens, greedy): batched == one at a time, chunked prefill (16-token steps)
-    == one-shot, and preemption under a 5-page pool (the four need 9) gives the same tokens. -> the
-    tight engine."""
+    == one-shot, and preemption under a 5-page pool (the four need 9) gives the same tokens (up to a
+    near tie: ``assert_same_greedy_tokens``). -> the tight engine."""
     from jaxinfer import LLM, SamplingParams
 
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -191,9 +226,13 @@ def assert_serving_is_consistent(path):
     small = dict(dtype="float32", max_model_len=64, page_size=16, show_progress=False, warmup=False)
     llm = LLM(path, max_num_seqs=4, max_num_batched_tokens=16, **small)  # 40 tokens: three chunks
     alone = [llm.generate(prompt_token_ids=[p], sampling_params=greedy)[0].token_ids for p in prompts]
-    assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=greedy)] == alone
+
+    def same_as_alone(got):
+        assert_same_greedy_tokens(got, alone, prompts, lambda ids: llm.model.logits(ids)[-1])
+
+    same_as_alone([o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=greedy)])
     one_shot = LLM(path, max_num_seqs=4, max_num_batched_tokens=64, **small)
-    assert [o.token_ids for o in one_shot.generate(prompt_token_ids=prompts, sampling_params=greedy)] == alone
+    same_as_alone([o.token_ids for o in one_shot.generate(prompt_token_ids=prompts, sampling_params=greedy)])
     tight = LLM(path, max_num_seqs=4, max_num_batched_tokens=16, num_pages=5, **small)
     engine = tight.engine
     requests = [engine.make_request(p, greedy) for p in prompts]
@@ -201,5 +240,5 @@ def assert_serving_is_consistent(path):
         engine.add(r)
     engine.run(requests)
     assert any(r.num_preemptions for r in requests)
-    assert [r.output_token_ids for r in requests] == alone
+    same_as_alone([r.output_token_ids for r in requests])
     return tight

@@ -97,6 +97,8 @@ CONFIG_CASES = [
     ("llama", {"hidden_size": 48, "head_dim": 16}, r"hidden_size is 48, but the checkpoint's"),
     ("llama", {"num_hidden_layers": 3}, r"num_hidden_layers is 3, but the checkpoint's tensors hold 2 layers"),
     ("mistral", {"sliding_window": 0}, r"sliding_window must be an integer >= 1, got 0"),
+    ("qwen2", {"layer_types": ["mamba", "full_attention"]},  # as written, not as transformers renames it
+     r"layer_types holds 'mamba'; qwen2 layers are 'sliding_attention' or 'full_attention'"),
     ("qwen2", {"layer_types": ["full_attention", "diagonal_attention"]}, r"layer_types"),
     ("qwen3_moe", {"num_experts_per_tok": 9}, r"num_experts_per_tok must be an integer >= 1 and <= 8, got 9"),
     ("qwen3_moe", {"num_experts": 16}, r"num_experts is 16, but the checkpoint's tensors hold experts 0..7"),
@@ -123,6 +125,48 @@ def test_rotary_width_is_checked():
     with pytest.raises(ConfigError, match=r"= 2 must be an even number >= 4"):  # dynamic NTK divides by dim - 2
         RopeConfig(rope_type="dynamic", factor=2.0).check_rotary_dim(2)
     assert RopeConfig(partial_rotary_factor=0.5).check_rotary_dim(16) == 8
+
+
+MAMBA = ["mamba", "linear_attention", "linear_attention", "full_attention"]
+HYBRID_KINDS = r"layer_types holds 'mamba'; {} layers are 'linear_attention' or 'full_attention' \(transformers " \
+               r"reads 'mamba' as 'linear_attention': write that if it is meant\)"
+KDA = dict(kda_layers=[1, 2, 3], full_attn_layers=[4], num_heads=2, head_dim=16, short_conv_kernel_size=4)
+LAYER_PATTERN_CASES = [
+    ("qwen3_next", {"layer_types": MAMBA}, HYBRID_KINDS.format("qwen3_next")),
+    ("qwen3_5", {"layer_types": MAMBA}, HYBRID_KINDS.format("qwen3_5_text")),
+    ("minimax", {"layer_types": ["mamba", "full_attention"]}, HYBRID_KINDS.format("minimax")),
+    ("kimi_linear", {"layer_types": MAMBA}, HYBRID_KINDS.format("kimi_linear")),
+    ("gemma3", {"layer_types": ["full_attention", "mamba"]},
+     r"layer_types holds 'mamba'; gemma3_text layers are 'sliding_attention' or 'full_attention'$"),
+    ("gpt_oss", {"layer_types": ["chunked_attention", "full_attention"]},
+     r"layer_types holds 'chunked_attention'; gpt_oss layers are 'sliding_attention' or 'full_attention'$"),
+    ("glm_moe_dsa", {"indexer_types": ["full", "dense"]}, r"indexer_types holds 'dense'; glm_moe_dsa layers are 'full' or 'shared'"),
+    ("qwen3_next", {"layer_types": None, "full_attention_interval": 0}, r"full_attention_interval must be an integer >= 1, got 0"),
+    ("qwen3_5", {"layer_types": None, "full_attention_interval": -2}, r"full_attention_interval must be an integer >= 1, got -2"),
+    ("kimi_linear", {"linear_attn_config": {**KDA, "kda_layers": [1, 2, 7]}},
+     r"linear_attn_config.kda_layers\[2\] must be an integer >= 1 and <= 4, got 7"),
+    ("kimi_linear", {"linear_attn_config": {**KDA, "kda_layers": [0, 1, 2, 3]}},  # 0 would be layer -1 in transformers
+     r"linear_attn_config.kda_layers\[0\] must be an integer >= 1 and <= 4, got 0"),
+    ("kimi_linear", {"linear_attn_config": {**KDA, "full_attn_layers": [3]}},
+     r"kda_layers \[1, 2, 3\] and full_attn_layers \[3\] must name each of the layers 1..4 exactly once"),
+    ("kimi_linear", {"linear_attn_config": {**KDA, "full_attn_layers": "4"}},
+     r"linear_attn_config.full_attn_layers must be a list of integers, got '4'"),
+    ("kimi_linear", {"linear_attn_config": [1, 2, 3, 4]}, r"linear_attn_config must be a mapping \(kda_layers, .*got \[1, 2, 3, 4\]"),
+    ("minimax_m2", {"rotary_dim": 64}, r"rotary_dim must be an even integer >= 2 and <= head_dim \(16\), got 64"),
+]
+
+
+@pytest.mark.parametrize("family, changes, match", LAYER_PATTERN_CASES,
+                         ids=[f"{f}-{'-'.join(c)}-{i}" for i, (f, c, _) in enumerate(LAYER_PATTERN_CASES)])
+def test_bad_layer_pattern_is_named(family, changes, match):
+    """Every family's per-layer kind lists go through one check (values as config.json writes them),
+    and the fields transformers derives them from are checked before transformers computes with them."""
+    from jaxinfer.registry import ModelRegistry
+    from jaxinfer.tiny import tiny_config
+
+    with pytest.raises(ConfigError, match=match):
+        config = ModelConfig.from_dict(tiny_config(family, **changes))
+        ModelRegistry.resolve(config.architecture).validate_config(config)
 
 
 def test_a_config_claiming_a_million_layers_fails_in_milliseconds(copy_of):
@@ -455,6 +499,7 @@ SAMPLING_CASES = [
     ("ignore_eos", "no"), ("ignore_eos", 1),
     ("logprobs", -1), ("logprobs", 1.5), ("logprobs", True),
     ("skip_special_tokens", "no"), ("skip_special_tokens", 0),
+    ("n", 4), ("n", 0), ("n", True), ("n", None), ("best_of", 2), ("best_of", 1.0),
 ]
 
 
@@ -462,6 +507,15 @@ SAMPLING_CASES = [
 def test_sampling_params_are_checked_when_built(field, value):
     with pytest.raises(InvalidRequestError, match=rf"SamplingParams.{field}"):
         SamplingParams(**{field: value})
+
+
+def test_one_output_per_request_for_now():
+    """vLLM's ``n`` and ``best_of`` are accepted at 1; more is refused with the way to get several."""
+    assert (SamplingParams(n=np.int64(1), best_of=1).n, SamplingParams().best_of) == (1, None)
+    with pytest.raises(InvalidRequestError, match=r"SamplingParams.n must be 1, got 4: jaxinfer serves one output per "
+                                                  r"request for now; for k samples of a prompt, send it k times with "
+                                                  r"different seeds"):
+        SamplingParams(n=4)
 
 
 def test_sampling_params_take_numpy_scalars():
@@ -539,6 +593,21 @@ def test_prompts_as_vllm_users_write_them(llm, text_llm):
     _assert_idle(llm)
 
 
+def test_abort_takes_request_ids(llm):
+    """An int or an iterable of ints; anything else is named (a string would iterate into characters).
+    Unknown or finished ids are ignored."""
+    engine = llm.engine
+    request = engine.make_request(GOOD_PROMPT, GREEDY)
+    engine.add(request)
+    for bad, named in (("0", "'0'"), (True, "True"), (None, "None"), ([0, "x"], r"'x' \(in \[0, 'x'\]\)")):
+        with pytest.raises(InvalidRequestError, match=rf"request id {named} is not an int: abort takes a request id"):
+            llm.abort(bad)
+    assert not request.finish_reason
+    llm.abort([np.int64(request.request_id), 10**9])
+    assert request.finish_reason == "abort"
+    _assert_idle(llm)
+
+
 def test_logprobs_zero_is_the_sampled_tokens_logprob(llm):
     """``logprobs=0`` returns the sampled token's log-probability alone, from the full log-softmax,
     whatever else shares the batch."""
@@ -554,7 +623,7 @@ def test_logprobs_zero_is_the_sampled_tokens_logprob(llm):
     for i, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
         assert list(entry) == [token]
         np.testing.assert_allclose(entry[token], full[len(GOOD_PROMPT) - 1 + i, token], atol=1e-5)
-        np.testing.assert_allclose(alone.logprobs[i][token], entry[token], atol=1e-6)
+        np.testing.assert_allclose(alone.logprobs[i][token], entry[token], rtol=1e-5, atol=1e-6)  # other batch
 
 
 # ---- engine options -------------------------------------------------------------------------------
@@ -575,6 +644,10 @@ def test_logprobs_zero_is_the_sampled_tokens_logprob(llm):
     (dict(max_model_len=65), r"max_model_len=65 exceeds the model's max_position_embeddings \(64\).*"
                              r"allow_long_max_model_len=True"),
     (dict(max_num_seq=4), r"unknown LLM options \['max_num_seq'\]"),
+    (dict(page_size=10**6), r"EngineConfig.page_size=1000000 exceeds max_model_len=32: .*use a page_size <= 32"),
+    (dict(max_model_len=None, page_size=128),  # max_model_len from the model (64), before the weights are read
+     r"EngineConfig.page_size=128 exceeds max_model_len=64: .*use a page_size <= 64"),
+    (dict(num_pages=2**28), r"num_pages=268435456 x page_size=8 = 2147483648 cache rows, which int32 indices"),
 ])
 def test_bad_engine_options(templates, options, match):
     with pytest.raises(ConfigError, match=match):

@@ -14,9 +14,10 @@ import sys
 import numpy as np
 import pytest
 
-from jaxinfer import LLM, CheckpointError, SamplingParams
+from jaxinfer import LLM, CheckpointError, SamplingParams, load_model
 from jaxinfer.engine.manifest import MANIFEST_FILE
 from jaxinfer.errors import ExportError, ExportMismatchError
+from tests.conftest import assert_same_greedy_tokens
 
 # One mixed key (16 tokens) and two decode keys (1-2 sequences, one page of 32 tokens).
 OPTIONS = dict(dtype="float32", max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16, page_size=32,
@@ -276,7 +277,9 @@ def test_a_portable_export_loads_without_tracing_the_model(exports, tmp_path, mo
         llm = LLM(path, executables=str(tmp_path / "portable"), strict=True, show_progress=False)
         out = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=SamplingParams(**{**GREEDY, "max_tokens": 8}))
     assert llm.startup_report.programs_from_export == 2 + 2
-    assert out[0].token_ids == live[0][:8]
+    # Other programs (recompiled, other shapes) than the live engine's: equal up to a near tie.
+    assert_same_greedy_tokens([out[0].token_ids], [live[0][:8]], PROMPTS[:1],
+                              lambda ids: load_model(path, dtype="float32").logits(ids)[-1])
 
 
 # ---- an export directory is data ------------------------------------------------------------------

@@ -9,9 +9,11 @@ import threading
 import time
 
 import jax
+import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams
+from jaxinfer.engine.sampling import NONFINITE_TOKEN
 from tests.conftest import random_prompts
 
 SMALL = dict(dtype="float32", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, page_size=8,
@@ -204,3 +206,190 @@ def test_abort_a_waiting_request(served):
     engine.run([first])
     assert first.output_token_ids == reference[0]
     assert_idle(llm)
+
+
+# ---- logits that are not finite ----------------------------------------------------------------
+
+def test_the_sampler_marks_rows_whose_logits_are_not_finite():
+    """A NaN or a +Inf anywhere in a row, or nothing but -Inf, gives ``NONFINITE_TOKEN``, greedy or
+    sampled; a single -Inf is a probability of 0. The finite rows' tokens and logprobs are those of
+    the same rows sampled without the bad ones."""
+    from jaxinfer.engine.sampling import SamplingBatch, sample
+
+    rows, vocab = 6, 32
+    clean = np.random.RandomState(0).randn(rows, vocab).astype(np.float32)
+    logits = clean.copy()
+    logits[1, 5], logits[2, 7], logits[3], logits[4, int(np.argmax(clean[4]))] = np.nan, np.inf, -np.inf, -np.inf
+    bad = [1, 2, 3]
+    for temperature, all_greedy in ((0.0, True), (0.0, False), (0.8, False)):
+        batch = SamplingBatch(np.full(rows, temperature, np.float32), np.zeros(rows, np.int32),
+                              np.ones(rows, np.float32), np.zeros(rows, np.float32), np.zeros((rows, 2), np.uint32),
+                              np.arange(rows, dtype=np.int32), np.ones(rows, bool))
+        run = jax.jit(sample, static_argnums=(2, 3))
+        tokens, logprobs = jax.device_get(run(logits, batch, 2, all_greedy))
+        fixed = clean.copy()
+        fixed[4] = logits[4]
+        want, want_logprobs = jax.device_get(run(fixed, batch, 2, all_greedy))
+        keep = [0, 4, 5]
+        assert (tokens[bad] == NONFINITE_TOKEN).all() and (tokens[keep] == want[keep]).all(), temperature
+        assert tokens[4] != int(np.argmax(clean[4]))
+        for got, ref in zip(logprobs, want_logprobs):
+            np.testing.assert_array_equal(got[keep], ref[keep])
+
+
+def test_attention_ignores_whatever_invisible_cache_rows_hold():
+    """NaN / Inf in cache rows a query cannot see (past its sequence's end in its last page, pages
+    of other sequences, the padding entries of a block table) change nothing: a page freed by a
+    request whose activations overflowed is safe to hand to the next one."""
+    from jaxinfer.kernels.attention import reference
+
+    rng = np.random.RandomState(0)
+    kv_heads, pages, page_size, d, heads = 2, 6, 4, 8, 4
+    k_cache = rng.randn(kv_heads, pages, page_size, d).astype(np.float32)
+    v_cache = rng.randn(kv_heads, pages, page_size, d).astype(np.float32)
+    block_tables = np.array([[2, 3, 0], [4, 0, 0]], np.int32)  # the padding entries point at page 0
+    seq_lens = np.array([6, 3], np.int32)
+    dirty_k, dirty_v = k_cache.copy(), v_cache.copy()
+    for cache, value in ((dirty_k, np.inf), (dirty_v, np.nan)):
+        cache[:, 0] = value  # another sequence's page, read through the padding entries
+        cache[:, 3, 2:] = value  # past sequence 0's end
+        cache[:, 4, 3:] = value  # past sequence 1's end
+    q = rng.randn(2, heads, d).astype(np.float32)
+    decode = [reference.paged_decode_attention(q, kc, vc, block_tables, seq_lens, scale=0.3)
+              for kc, vc in ((k_cache, v_cache), (dirty_k, dirty_v))]
+    np.testing.assert_array_equal(*decode)
+    positions, seq_ids = np.array([4, 5, 1, 2], np.int32), np.array([0, 0, 1, 1], np.int32)
+    q = rng.randn(4, heads, d).astype(np.float32)
+    ragged = [reference.ragged_paged_attention(q, kc, vc, positions, seq_ids, block_tables, seq_lens, scale=0.3,
+                                               sliding_window=2)
+              for kc, vc in ((k_cache, v_cache), (dirty_k, dirty_v))]
+    np.testing.assert_array_equal(*ragged)
+    assert np.isfinite(decode[0]).all() and np.isfinite(ragged[0]).all()
+
+
+GEMMA = dict(head_dim=16, sliding_window=64, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def overflowing(hf_checkpoint, tmp_path_factory):
+    """A Gemma 3 engine (float32) whose token ``bad`` has the finite embedding 3e38: Gemma scales
+    embeddings by sqrt(hidden_size) = 8, so the token's hidden state is +Inf, then NaN, and so are
+    the logits of any sequence that holds it. ``prompts``: four prompts without it; the greedy
+    continuation of the first (``clean``, by transformers) makes it as its token ``at`` >= 2.
+    -> (llm, bad, at, prompts, clean)."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from tests.conftest import hf_greedy
+
+    source, hf_model = hf_checkpoint("gemma3", **GEMMA)
+    prompts = random_prompts([5, 7, 4, 6], seed=3)
+    clean = [hf_greedy(hf_model, p, 8) for p in prompts]
+    seen_elsewhere = {t for p in prompts for t in p} | {t for c in clean[1:] for t in c}
+    at = next(i for i in range(2, 6) if clean[0][i] not in seen_elsewhere | set(clean[0][:i]))
+    bad = clean[0][at]
+    path = tmp_path_factory.mktemp("gemma3-overflowing") / "ckpt"
+    shutil.copytree(source, path)
+    weights = load_file(path / "model.safetensors")
+    weights["model.embed_tokens.weight"][bad] = 3e38
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    llm = LLM(str(path), warmup=False, **SMALL)
+    return llm, bad, at, prompts, clean
+
+
+def _alone(llm, prompts, params):
+    return [llm.generate(prompt_token_ids=[p], sampling_params=s)[0].token_ids for p, s in zip(prompts, params)]
+
+
+def test_a_request_whose_logits_are_not_finite_ends_with_an_error(overflowing, monkeypatch):
+    """The request that reaches the token ends with "error" and says why, without the token it
+    could not sample: in its prefill (a mixed step) and after some greedy tokens (in the decode loop,
+    the all-greedy one and the sampling one); the requests beside it give the tokens they give
+    alone, and so does the next call on the pages and slots it had."""
+    llm, bad, at, prompts, clean = overflowing
+    engine = llm.engine
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, seed=7, max_tokens=8, ignore_eos=True)
+    decoded = []  # the decode loops' tokens
+    run_decode = engine.runner.run_decode
+
+    def spy(*args):
+        out = run_decode(*args)
+        decoded.append(out[0])
+        return out
+
+    monkeypatch.setattr(engine.runner, "run_decode", spy)
+    params = [greedy, sampled, greedy, sampled]
+    reference = _alone(llm, prompts[1:], params[1:])
+    assert _alone(llm, prompts[:1], [greedy])[0] == clean[0][:at + 1]
+
+    # In the prefill: the first request (pages 0 on, which every block table's padding points at).
+    poisoned = prompts[0][:2] + [bad] + prompts[0][2:]
+    outs = llm.generate(prompt_token_ids=[poisoned] + prompts[1:], sampling_params=[sampled] + params[1:])
+    assert outs[0].finish_reason == "error" and outs[0].token_ids == []
+    assert outs[0].error.startswith("the model's logits for generated token 1 were not finite (NaN or Inf): "
+                                    "the computation overflowed float32's range")
+    assert [o.token_ids for o in outs[1:]] == reference and all(o.error is None for o in outs[1:])
+    assert_idle(llm)
+
+    # In the decode loop, after `at` + 1 tokens: with the sampling loop, then the all-greedy one.
+    for batch in (params, [greedy] * 4):
+        decoded.clear()
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=batch)
+        assert outs[0].finish_reason == "error" and outs[0].token_ids == clean[0][:at + 1]
+        assert f"logits for generated token {at + 2} were not finite" in outs[0].error
+        steps, rows = np.nonzero(np.concatenate(decoded) == NONFINITE_TOKEN)
+        assert len(rows) == 1 and (np.concatenate(decoded)[steps[0] + 1:, rows[0]] == -1).all()  # stopped there
+        want = reference if batch is params else _alone(llm, prompts[1:], batch[1:])
+        assert [o.token_ids for o in outs[1:]] == want
+        assert_idle(llm)
+    assert _alone(llm, prompts[1:], params[1:]) == reference
+
+
+def test_the_cli_prints_the_error_and_exits_1(overflowing, monkeypatch, capsys):
+    """``jaxinfer generate``: the failed prompt's output (none), then ``error: prompt N: ...`` on
+    stderr (and ``"error"`` in ``--json``), exit status 1; the other prompt is served."""
+    import json
+
+    import jaxinfer
+    from jaxinfer.cli import main
+
+    llm, bad, _, prompts, _ = overflowing
+    monkeypatch.setattr(jaxinfer, "LLM", lambda *args, **kwargs: llm)
+    served = _alone(llm, prompts[2:3], [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)])[0]
+    ids = [",".join(map(str, p)) for p in ([bad] + prompts[2][:2], prompts[2])]
+    args = ["generate", "--model", "unused", "--temperature", "0", "--ignore-eos", "--max-tokens", "3",
+            "--prompt-ids", ids[0], "--prompt-ids", ids[1]]
+    assert main(args) == 1
+    out, err = capsys.readouterr()
+    assert out.splitlines() == ["[]", str(served)]
+    assert err.startswith("error: prompt 1: the model's logits for generated token 1 were not finite (NaN or Inf)")
+    assert main(args + ["--json"]) == 1
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert lines[0]["finish_reason"] == "error" and "were not finite" in lines[0]["error"]
+    assert lines[1]["token_ids"] == served and lines[1]["error"] is None
+
+
+def test_state_slots_and_pages_left_non_finite_are_safe_to_reuse(hf_checkpoint, monkeypatch):
+    """A gated-DeltaNet hybrid served with ``A_log`` = 1e4 (decay -exp(1e4) = -Inf): every request
+    ends with "error", and the caches it filled with NaN are re-made. Served right, shorter prompts on
+    those slots and pages give the tokens they gave before."""
+    from tests.test_qwen3_next import HYBRID
+
+    path, _ = hf_checkpoint("qwen3_5", **HYBRID)
+    llm = LLM(path, warmup=False, **SMALL)
+    greedy = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    short = random_prompts([5, 4, 4, 5], seed=4)  # one prefill step, of the longer prompts' token bucket
+    reference = [o.token_ids for o in llm.generate(prompt_token_ids=short, sampling_params=greedy)]
+    params = llm.engine.model.params
+    overflowing = jax.tree_util.tree_map_with_path(
+        lambda where, x: x.at[...].set(1e4) if "A_log" in jax.tree_util.keystr(where) else x, params)
+    monkeypatch.setattr(llm.engine.model, "params", overflowing)
+    outs = llm.generate(prompt_token_ids=random_prompts([9, 8, 7, 6], seed=4), sampling_params=greedy)
+    assert all(o.finish_reason == "error" and "were not finite" in o.error and not o.token_ids for o in outs)
+    assert all(bool(np.isfinite(leaf).all()) for leaf in jax.tree.leaves(llm.engine.runner.caches))
+    monkeypatch.undo()
+    assert [o.token_ids for o in llm.generate(prompt_token_ids=short, sampling_params=greedy)] == reference
+    assert_idle(llm)
+    assert llm.engine.scheduler.slots.num_free == llm.engine.layout.num_slots

@@ -8,14 +8,20 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import traverse_util
 
 from jaxinfer import load_model
 from jaxinfer.engine.aot import CompileGuard
 from jaxinfer.errors import InvalidRequestError
+from jaxinfer.kernels.moe import reference as moe_reference
+from jaxinfer.research import forward as research_forward
+from jaxinfer.research import memory
 from jaxinfer.research.batch import pack
 from jaxinfer.research.request import CaptureRequest
 from tests.conftest import random_prompts
@@ -47,6 +53,10 @@ FAMILIES = {
     "minimax": ("minimax", MINIMAX),
 }
 PROMPT_LENGTHS = (21, 9)  # one batch: two sequences of different lengths, padded to 32 token rows
+# A sequence alone and in a batch (other bucket shapes) goes through the same maths, but XLA may tile
+# and sum a matmul or reduction differently per shape and per CPU: float32 results may differ in their
+# last bits (one ulp of 5 is 4.8e-7). Mixing sequences up would differ by far more.
+PADDED = dict(rtol=1e-5, atol=1e-6)
 
 
 @contextlib.contextmanager
@@ -95,6 +105,20 @@ def hf_recurrent_state(cache, layer):
         return cache.linear_cache[layer][0].numpy(), None
     entry = cache.layers[layer]
     return entry.recurrent_states[0][0].numpy(), entry.conv_states[0][0].numpy()
+
+
+def routed_experts(model, layer, router_logits) -> list[int]:
+    """The experts our routing picks, sorted, for one token's router logits at ``layer``. Where ours
+    and HF's differ, each must be what this gives for its own router logits: the same rule on logits
+    within 1e-5 of each other, which part only where two experts' scores (nearly) tie."""
+    spec = research_forward.decoder_layers(model)[layer].ffn
+    bias = next((value for path, value in traverse_util.flatten_dict(model.params).items()
+                 if f"layers_{layer}" in path and path[-1] == "e_score_correction_bias"), None)
+    _, ids = moe_reference.route(jnp.asarray(router_logits)[None], router=spec.router, top_k=spec.top_k,
+                                 norm_topk_prob=spec.norm_topk_prob, norm_eps=spec.norm_eps,
+                                 routed_scaling_factor=spec.routed_scaling_factor, n_group=spec.n_group,
+                                 topk_group=spec.topk_group, correction_bias=bias)
+    return sorted(np.asarray(ids)[0].tolist())
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +170,10 @@ def test_captures_match_hf(family):
             for t in range(len(ids)):  # the same experts with the same weights, in any order
                 ours_t = sorted(zip(ours.selected_experts[layer][t].tolist(), ours.routing_weights[layer][t].tolist()))
                 want_t = sorted(zip(experts[t].tolist(), weights[t].tolist()))
-                assert [e for e, _ in ours_t] == [e for e, _ in want_t], (name, layer, t)
+                if [e for e, _ in ours_t] != [e for e, _ in want_t]:  # only at a near tie: see routed_experts
+                    assert routed_experts(model, layer, logits[t]) == [e for e, _ in want_t], (name, layer, t)
+                    assert routed_experts(model, layer, ours.router_logits[layer][t]) == [e for e, _ in ours_t]
+                    continue
                 np.testing.assert_allclose([w for _, w in ours_t], [w for _, w in want_t], atol=1e-5, rtol=0)
         for layer, topk in ref["indexer"].items():
             for p in range(len(ids)):  # HF's picks past the token are masked anyway
@@ -174,7 +201,9 @@ def test_prompt_logprobs_are_hfs_log_softmax(llama):
             ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0], dim=-1).numpy()
         assert lps[0] is None and len(lps) == len(ids)
         np.testing.assert_allclose(lps[1:], [ref[t - 1, ids[t]] for t in range(1, len(ids))], atol=1e-4, rtol=0)
-    assert model.prompt_logprobs(prompts[1]) == got[1]  # one sequence alone: its list
+    alone = model.prompt_logprobs(prompts[1])  # one sequence alone (16 token rows, not 32): its list
+    assert alone[0] is None and len(alone) == len(got[1])
+    np.testing.assert_allclose(alone[1:], got[1][1:], **PADDED)
 
 
 def test_a_new_length_within_a_bucket_reuses_the_compiled_forward(llama):
@@ -191,15 +220,19 @@ def test_a_new_length_within_a_bucket_reuses_the_compiled_forward(llama):
         other_pair = model.forward(prompts[5:7], capture="hidden_states")
         assert compiles() == 0
     program = next(p for key, p in model._forwards.items() if key[1] == CaptureRequest(hidden_states=True))
-    assert program._cache_size() == 2  # one per bucket: 16 rows x 1 sequence, 16 rows x 2 sequences
+    assert program.jitted._cache_size() == 2  # one per bucket: 16 rows x 1 sequence, 16 rows x 2 sequences
     assert [pack(p).token_ids.shape[0] for p in ([[1] * 16], [[1] * 17], [[1] * 9, [1] * 8])] == [16, 32, 32]
     assert pack([[1] * 17, [1] * 3, [1]]).block_tables.shape == (4, 2)  # 4 sequences, 32 positions each
-    # A sequence's results do not depend on what it is padded or batched with.
-    for ids, result in [(prompts[0], alone), (prompts[1], others[0]), *zip(prompts[3:7], pair + other_pair)]:
+    # A sequence's results do not depend on what it is padded or batched with: alone again, the same
+    # program on the same inputs gives the same bits; next to another sequence, the same within PADDED.
+    same = np.testing.assert_array_equal
+    close = lambda got, want: np.testing.assert_allclose(got, want, **PADDED)  # noqa: E731
+    for ids, result, check in [(prompts[0], alone, same), (prompts[1], others[0], same),
+                               *((ids, r, close) for ids, r in zip(prompts[3:7], pair + other_pair))]:
         single = model.forward(ids, capture="hidden_states")
-        np.testing.assert_allclose(result.logits, single.logits, atol=1e-6, rtol=0)
+        check(result.logits, single.logits)
         for got, want in zip(result.hidden_states, single.hidden_states):
-            np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+            check(got, want)
 
 
 @pytest.fixture(scope="module")
@@ -238,6 +271,41 @@ def test_bad_inputs_name_the_sequence_and_the_limit(llama):
                                                   r"4096 keys x 4 heads \(padded to buckets\) would take 512 MiB, more "
                                                   r"than the 256 MiB"):
         model.forward(list(range(3, 150)) * 27, capture="attentions")
+
+
+def test_a_forward_too_large_for_the_memory_is_refused_before_it_runs(llama, monkeypatch):
+    """A forward's memory estimate, an upper bound of the right order (checked against XLA's analysis
+    of a compiled forward), is compared with the memory available (16 GiB here): 20,000 tokens, whose
+    plain-jnp attention gathers every key for every token row, are refused once traced, nothing
+    compiled or allocated; 4,000 tokens (4.3 GB by XLA's count) are not."""
+    _, model = llama
+    monkeypatch.setattr(memory, "available_bytes", lambda device=None: 16 << 30)
+    long = random_prompts([20_000], seed=5)[0]
+    start = time.perf_counter()
+    message = (r"a research forward over 20000 tokens in 1 sequence\(s\) \(padded to 32768 token rows x 32768 keys\) "
+               r"would need about \d+\.\d GiB \(an upper bound; \d+\.\d GiB of it one layer's attention arrays over "
+               r"token rows x keys\), more than the 16\.0 GiB available on the CPU: give shorter sequences, or fewer "
+               r"sequences per call")
+    with pytest.raises(InvalidRequestError, match=message):
+        model.forward(long)
+    with pytest.raises(InvalidRequestError, match=r"over 20000 tokens in 4 sequence\(s\) \(padded to 32768 token "
+                                                  r"rows x 8192 keys\) would need about \d+\.\d GiB"):
+        model.prompt_logprobs([long[:5000]] * 4)
+    assert time.perf_counter() - start < 10
+
+    def estimate(sequences, request=CaptureRequest()):
+        batch = pack(sequences)
+        program = research_forward._program(model, request, logits=True, logprobs=False)
+        args = (model.params, batch.token_ids, batch.num_new, batch.block_tables, batch.state_slots)
+        served = program.implementations(*args)
+        memory.check_fits(model, request, batch, served, logits=True, logprobs=False)
+        return memory.estimate(model, request, batch, served, logits=True, logprobs=False)[0], program, args
+
+    assert estimate([long[:4000]])[0] < 8 << 30  # not refused
+    need, program, args = estimate([long[:700], long[:300]], CaptureRequest(hidden_states=True))
+    analysis = program.jitted.lower(*args).compile().memory_analysis()
+    allocated = analysis.temp_size_in_bytes + analysis.output_size_in_bytes
+    assert allocated <= need <= 4 * allocated, (allocated, need)
 
 
 def test_the_research_notebook_runs(tmp_path, monkeypatch):

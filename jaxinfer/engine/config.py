@@ -10,6 +10,7 @@ from jaxinfer.errors import ConfigError
 
 
 DEFAULT_MAX_MODEL_LEN_CAP = 8192  # an unset max_model_len is the model's own, capped here
+DEFAULT_PAGE_SIZE = 16
 
 
 @dataclasses.dataclass
@@ -19,7 +20,7 @@ class EngineConfig:
     allow_long_max_model_len: bool = False
     max_num_seqs: int = 8  # sequences per step
     max_num_batched_tokens: int = 512  # tokens per mixed (prefill) step
-    page_size: int = 16
+    page_size: int = DEFAULT_PAGE_SIZE
     num_pages: int | None = None  # default: every sequence at full length, capped by free device / host memory
     kv_cache_memory_fraction: float = 0.85  # of the memory left after weights (host memory on CPU)
     decode_steps: int = 8  # decode steps per device-side loop
@@ -61,6 +62,17 @@ class EngineConfig:
             )
         if self.strict and not self.warmup:
             raise ConfigError("strict mode needs warmup=True: it forbids compiling after the warm-up")
+        if self.max_model_len is not None:
+            most = max(1 << (self.max_model_len - 1).bit_length(), DEFAULT_PAGE_SIZE)
+            if self.page_size > most:
+                raise ConfigError(
+                    f"EngineConfig.page_size={self.page_size} exceeds max_model_len={self.max_model_len}: a page holds "
+                    f"tokens of one sequence, so its slots past {most} (max_model_len rounded up to a power of two, "
+                    f"at least {DEFAULT_PAGE_SIZE}) would stay empty; use a page_size <= {most}")
+        if self.num_pages is not None and self.num_pages * self.page_size >= 2**31:
+            raise ConfigError(f"{name('num_pages')}={self.num_pages} x page_size={self.page_size} = "
+                              f"{self.num_pages * self.page_size} cache rows, which int32 indices cannot address: keep "
+                              "num_pages * page_size below 2**31")
 
     def for_model(self, model_config) -> "EngineConfig":
         """A validated copy with ``max_model_len`` resolved for the model: its
@@ -71,6 +83,7 @@ class EngineConfig:
         limit = model_config.max_position_embeddings
         if config.max_model_len is None:
             config.max_model_len = min(limit, DEFAULT_MAX_MODEL_LEN_CAP)
+            config.validate()  # again: the checks that need max_model_len
         elif config.max_model_len > limit and not config.allow_long_max_model_len:
             raise ConfigError(
                 f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings ({limit}), "

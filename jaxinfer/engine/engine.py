@@ -3,7 +3,9 @@
 A step that fails (an error in a kernel, the host code around it, or a ``KeyboardInterrupt``) leaves
 the engine usable: its requests end with ``finish_reason="error"`` (``"abort"`` for an interrupt) and
 give their pages back, the caches are re-made if the failed call had consumed them (every other
-running request is then recomputed from its tokens), and the exception reaches the caller.
+running request is then recomputed from its tokens), and the exception reaches the caller. A request
+whose logits come out not finite (``NONFINITE_TOKEN``) ends alone, with ``"error"`` and a message;
+the caches are then re-made, so nothing it wrote reaches a later request.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import threading
 import time
 from collections.abc import Iterable
 
+import numpy as np
+
 from jaxinfer.cache.allocator import PageAllocator, SlotAllocator
 from jaxinfer.cache.layout import CacheLayout
 from jaxinfer.engine import memory
@@ -24,7 +28,7 @@ from jaxinfer.engine.config import EngineConfig, bucket_for
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer
 from jaxinfer.engine.request import Request, RequestStatus
 from jaxinfer.engine.runner import ModelRunner
-from jaxinfer.engine.sampling import SamplingParams
+from jaxinfer.engine.sampling import NONFINITE_TOKEN, SamplingParams
 from jaxinfer.engine.scheduler import DecodeBatch, MixedBatch, Scheduler
 from jaxinfer.errors import ConfigError, InvalidRequestError
 from jaxinfer.generation_config import GenerationDefaults
@@ -227,9 +231,18 @@ class Engine:
 
     def abort(self, request_ids: int | Iterable[int]) -> None:
         """End these requests (waiting or running) with ``finish_reason="abort"``; their pages are freed.
-        Ids of finished or unknown requests are ignored. Safe to call from another thread: a step in
-        progress finishes first."""
-        ids = {request_ids} if isinstance(request_ids, int) else set(request_ids)
+        Ids of finished or unknown requests are ignored; an id that is not an int is an
+        ``InvalidRequestError``. Safe to call from another thread: a step in progress finishes first."""
+        from jaxinfer.checks import is_integer
+
+        single = is_integer(request_ids) or isinstance(request_ids, (str, bytes)) or not isinstance(request_ids, Iterable)
+        ids = [request_ids] if single else list(request_ids)
+        bad = [i for i in ids if not is_integer(i)]
+        if bad:
+            where = "" if single else f" (in {ids!r})"
+            raise InvalidRequestError(f"request id {bad[0]!r}{where} is not an int: abort takes a request id "
+                                      "(Request.request_id, GenerationOutput.request_id) or an iterable of them")
+        ids = {int(i) for i in ids}
         with self._lock:
             self._pending_aborts |= ids
             if not self._stepping:
@@ -271,7 +284,10 @@ class Engine:
                 batch = self.scheduler.schedule()
             if batch is None:
                 return []
-            return self._run_mixed(batch) if isinstance(batch, MixedBatch) else self._run_decode(batch)
+            finished = self._run_mixed(batch) if isinstance(batch, MixedBatch) else self._run_decode(batch)
+            if any(r.finish_reason == "error" for r in finished):  # logits that were not finite
+                self._scrub_caches()
+            return finished
         except BaseException as e:
             if batch is not None:
                 with self._lock:
@@ -281,6 +297,15 @@ class Engine:
             with self._lock:
                 self._stepping = False
                 self._apply_aborts()
+
+    def _scrub_caches(self) -> None:
+        """After a request ended on logits that were not finite: its NaN / Inf may sit in its pages
+        and slots, and a kernel that reads rows past a sequence's end (masked, but multiplied by 0)
+        would carry them into whichever request gets those pages next. Re-make the caches; the
+        running requests are recomputed from their tokens."""
+        with self._lock:
+            self.runner.allocate_caches()
+            self.scheduler.preempt_all()
 
     def _recover_caches(self) -> None:
         """If a call consumed the caches without handing new ones back, re-make them; what the running
@@ -322,7 +347,7 @@ class Engine:
         for row, r in enumerate(requests):
             for step in range(tokens.shape[0]):
                 token = int(tokens[step, row])
-                if token < 0:
+                if token < 0 and token != NONFINITE_TOKEN:
                     break
                 r.num_computed += 1
                 if self._append(r, token, logprobs, (step, row)):
@@ -331,7 +356,12 @@ class Engine:
         return finished
 
     def _append(self, r: Request, token: int, logprobs, index) -> bool:
-        """Record one generated token; finish the request if it hit a stop condition."""
+        """Record one generated token; finish the request if it hit a stop condition, or with
+        ``"error"`` if its logits were not finite (``NONFINITE_TOKEN``, not recorded)."""
+        if token == NONFINITE_TOKEN:
+            r.error = self._nonfinite_message(r)
+            self._finish(r, "error")
+            return True
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         r.output_token_ids.append(token)
@@ -347,3 +377,11 @@ class Engine:
         elif r.remaining_output <= 0:
             self._finish(r, "length")
         return r.status is RequestStatus.FINISHED
+
+    def _nonfinite_message(self, r: Request) -> str:
+        """``r.error`` when its next token's logits were not finite."""
+        dtype = np.dtype(self.model.dtype).name
+        wider = "" if dtype == "float32" else ", or serve the model in float32 (dtype=\"float32\"), which may help"
+        return (f"the model's logits for generated token {len(r.output_token_ids) + 1} were not finite (NaN or Inf): "
+                f"the computation overflowed {dtype}'s range or produced NaN; check the checkpoint's weights "
+                f"(too large, or broken){wider}")

@@ -19,7 +19,7 @@ from jaxinfer.engine.startup import StartupReport, process_age
 from jaxinfer.errors import ConfigError, InvalidRequestError, TokenizerUnavailableError
 from jaxinfer.generation_config import GenerationDefaults
 from jaxinfer.loader import load_model
-from jaxinfer.tokenizer import load_tokenizer, render_chat
+from jaxinfer.tokenizer import check_text, load_tokenizer, render_chat
 
 
 @dataclasses.dataclass
@@ -29,8 +29,9 @@ class GenerationOutput:
     prompt_token_ids: list[int]
     text: str  # "" when the checkpoint has no tokenizer
     token_ids: list[int]
-    finish_reason: str  # "stop" (EOS, stop token or stop string), "length", or "abort" (LLM.abort)
+    finish_reason: str  # "stop" (EOS, stop token or stop string), "length", "abort" (LLM.abort) or "error"
     logprobs: list[dict[int, float]] | None  # per generated token: {token_id: logprob}, top-N + the sampled one
+    error: str | None = None  # why, when finish_reason is "error" (e.g. logits that were not finite)
 
 
 def _is_token_ids(value) -> bool:
@@ -52,8 +53,8 @@ class LLM:
     deserialized on its first use instead of at start-up). The export fixes the options its programs
     depend on; options left out take its values, options given must agree with them. An export made
     for another checkpoint, config, option, jax version or device is refused before anything is
-    loaded (``ExportMismatchError``). An export directory must be trusted like code (its executables
-    are pickles).
+    loaded (``ExportMismatchError``). An export directory is read as data (no pickle; every read
+    confined to it); its executables are compiled device code (see ``jaxinfer.engine.export``).
 
     ``startup_report`` says where start-up time went (``jaxinfer.engine.startup.StartupReport``).
     """
@@ -138,6 +139,7 @@ class LLM:
     def _parse_prompt(self, prompt, index: int) -> tuple[str | None, object]:
         """One prompt -> (its text or None, its token ids, unchecked)."""
         if isinstance(prompt, str):
+            check_text(prompt, f"prompt {index}")
             return prompt, (self._require_tokenizer().encode(prompt) if prompt else [])
         if isinstance(prompt, dict):
             keys = set(prompt)
@@ -206,7 +208,7 @@ class LLM:
             self._note_first_token(called)
         return [
             GenerationOutput(r.request_id, r.prompt, r.prompt_token_ids, r.text, list(r.output_token_ids),
-                             r.finish_reason, r.output_logprobs if r.params.logprobs is not None else None)
+                             r.finish_reason, r.output_logprobs if r.params.logprobs is not None else None, r.error)
             for r in requests
         ]
 

@@ -3,8 +3,9 @@
 * ``mixed step``: one forward over a ragged batch of new tokens (prefill chunks and decode tokens of
   several sequences), then one sample per sequence.
 * ``decode loop``: ``decode_steps`` forward+sample steps in a ``lax.while_loop`` on the device,
-  feeding each sampled token back in, stopping sequences on EOS / stop ids / their token budget
-  (one loop for all-greedy batches, whose sampler is the argmax alone, and one with the full sampler).
+  feeding each sampled token back in, stopping sequences on EOS / stop ids / their token budget /
+  logits that are not finite (``NONFINITE_TOKEN`` is then their last output) (one loop for
+  all-greedy batches, whose sampler is the argmax alone, and one with the full sampler).
 
 Both donate the KV caches, so the cache is updated in place. Inputs are built on the host as numpy
 arrays padded to a ``CompileKey`` bucket; the compiled executable for that key is looked up (compiled
@@ -32,7 +33,7 @@ from jaxinfer.cache.metadata import AttentionMetadata, build_metadata
 from jaxinfer.engine.aot import DECODE, MIXED, CompileKey
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.request import Request
-from jaxinfer.engine.sampling import SamplingBatch, sample, seed_key_data
+from jaxinfer.engine.sampling import NONFINITE_TOKEN, SamplingBatch, sample, seed_key_data
 from jaxinfer.errors import CompilationAfterWarmupError, KernelFaultError
 from jaxinfer.kernels import registry as kernel_registry
 from jaxinfer.kernels.context import CALL_ID_PERIOD, KernelContext
@@ -124,9 +125,10 @@ class ModelRunner:
             if logprobs is not None:
                 out_logprobs = tuple(buf.at[i].set(val) for buf, val in zip(out_logprobs, logprobs))
             remaining = st.remaining - st.active
-            stopped = jnp.any(tokens[:, None] == st.stop_ids, axis=-1) | (remaining <= 0)
+            failed = tokens == NONFINITE_TOKEN  # ends the row now: nothing more is generated for it
+            stopped = jnp.any(tokens[:, None] == st.stop_ids, axis=-1) | (remaining <= 0) | failed
             st = st.replace(
-                tokens=jnp.where(st.active, tokens, st.tokens),
+                tokens=jnp.where(st.active & ~failed, tokens, st.tokens),
                 positions=st.positions + st.active,
                 active=st.active & ~stopped,
                 remaining=remaining,
@@ -325,9 +327,11 @@ class ModelRunner:
         return True
 
     def run_mixed(self, key: CompileKey, items: list[tuple[Request, int]]):
-        """-> (tokens [S], logprobs or None) as numpy."""
+        """-> (tokens [S], ``NONFINITE_TOKEN`` where a row's logits were not finite; logprobs or None)
+        as numpy."""
         return self._call(key, self.mixed_inputs(key, items))
 
     def run_decode(self, key: CompileKey, requests: list[Request]):
-        """-> (tokens [steps, S] with -1 after a sequence stopped, logprobs buffers) as numpy."""
+        """-> (tokens [steps, S] with -1 after a sequence stopped, ``NONFINITE_TOKEN`` where its logits
+        were not finite, logprobs buffers) as numpy."""
         return self._call(key, self.decode_inputs(key, requests))

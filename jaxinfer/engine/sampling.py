@@ -3,7 +3,9 @@
 Order of the filters, as in HF's generation warpers: temperature -> top-k -> top-p -> min-p; then
 one draw. ``temperature == 0`` is greedy (argmax of the raw logits). Each request draws with the key
 ``fold_in(PRNGKey(seed), n)`` for its n-th generated token, so its samples do not depend on which
-other requests share the batch, nor on preemption and recompute.
+other requests share the batch, nor on preemption and recompute. A row whose logits are not finite
+(a NaN, a +Inf, or nothing but -Inf) samples ``NONFINITE_TOKEN`` instead: the engine ends its
+request with an error rather than serve the argmax of NaNs.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from flax import struct
 
 from jaxinfer import checks
 from jaxinfer.errors import InvalidRequestError
+
+NONFINITE_TOKEN = -2  # the token of a row whose logits are not finite (-1: no token, in the decode loop)
 
 
 @dataclasses.dataclass
@@ -35,9 +39,17 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token, plus the sampled one's (0: that alone)
     skip_special_tokens: bool = True
+    n: int = 1  # vLLM's outputs per request; one for now
+    best_of: int | None = None  # vLLM's candidates per request, the best n returned; one for now
 
     def __post_init__(self):
         error = InvalidRequestError
+        for field, value in (("n", self.n), ("best_of", 1 if self.best_of is None else self.best_of)):
+            if not (checks.is_integer(value) and value == 1):
+                raise error(f"SamplingParams.{field} must be 1, got {value!r}: jaxinfer serves one output per request "
+                            "for now; for k samples of a prompt, send it k times with different seeds "
+                            "(sampling_params=[SamplingParams(seed=s) for s in range(k)])")
+        self.n, self.best_of = 1, None if self.best_of is None else 1
         self.temperature = checks.number(self.temperature, "SamplingParams.temperature", ge=0, error=error)
         self.top_p = checks.number(self.top_p, "SamplingParams.top_p", gt=0, le=1, error=error)
         self.top_k = checks.integer(self.top_k, "SamplingParams.top_k (0 or -1 disables it)", ge=-1, error=error)
@@ -111,13 +123,16 @@ def sample(logits, batch: SamplingBatch, num_logprobs: int | None = None, all_gr
     the batch needs them (``lax.cond``). The ``cond``s still cost a step time, the filters' one a
     trip through the host (it holds CUB's sort, which a CUDA graph cannot). ``all_greedy`` (static)
     promises that every row is greedy: the tokens are then the argmax alone, with no ``cond`` but
-    the logprobs' one, which XLA keeps in the graph.
+    the logprobs' one, which XLA keeps in the graph. A row whose logits are not finite gets
+    ``NONFINITE_TOKEN`` (its logprobs are meaningless).
     """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if all_greedy:
-        return greedy, _logprobs(logits, greedy, batch, num_logprobs)
-    tokens = _draw(logits, greedy, batch)
-    return tokens, _logprobs(logits, tokens, batch, num_logprobs)
+    tokens = greedy if all_greedy else _draw(logits, greedy, batch)
+    logprobs = _logprobs(logits, tokens, batch, num_logprobs)
+    # The row's largest logit, read at its argmax (which is the first NaN where there is one): not
+    # finite for a NaN, a +Inf or an all -Inf row; a single -Inf logit is a probability of 0.
+    finite = jnp.isfinite(jnp.take_along_axis(logits, greedy[:, None], axis=-1)[:, 0])
+    return jnp.where(finite, tokens, NONFINITE_TOKEN), logprobs
 
 
 def _draw(logits, greedy, batch: SamplingBatch):

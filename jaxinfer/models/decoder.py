@@ -22,7 +22,6 @@ import jax.numpy as jnp
 from jaxinfer.cache.metadata import AttentionMetadata
 from jaxinfer.cache.specs import CacheSpec
 from jaxinfer.config import ModelConfig
-from jaxinfer.errors import ConfigError
 from jaxinfer.models.base import CausalLM
 from jaxinfer.models.layers import capture
 from jaxinfer.models.layers.activations import get_activation
@@ -98,17 +97,19 @@ def layer_windows(config: ModelConfig) -> tuple[int | None, ...]:
     """Sliding window per layer from ``layer_types``: ``sliding_window`` on its "sliding_attention"
     layers (none when the config leaves ``sliding_window`` unset, as HF's attention does), none
     on the others; no windows when ``layer_types`` is unset."""
-    n, window = config.num_hidden_layers, sliding_window(config)
-    layer_types = config.get("layer_types")
-    if layer_types is None:
-        return (None,) * n
-    if not isinstance(layer_types, (list, tuple)) or len(layer_types) != n:
-        raise ConfigError(f"layer_types must list one entry per layer ({n}), got {layer_types!r}")
-    unknown = sorted({repr(t) for t in layer_types if t not in ("sliding_attention", "full_attention")})
-    if unknown:
-        raise ConfigError(f"layer_types holds {unknown}; {config.model_type} layers are 'sliding_attention' or "
-                          "'full_attention'")
-    return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    window = sliding_window(config)
+    return tuple(window if t == "sliding_attention" else None for t in attention_layer_types(config))
+
+
+def attention_layer_types(config: ModelConfig) -> tuple[str, ...]:
+    """``layer_types`` of a softmax-attention decoder: "sliding_attention" or "full_attention" per
+    layer, all full when unset."""
+    return config.layer_kinds("layer_types", ("sliding_attention", "full_attention"), default="full_attention")
+
+
+def mlp_layer_types(config: ModelConfig) -> tuple[str, ...]:
+    """``mlp_layer_types``: "dense" or "sparse" per layer (HF's config classes fill it in)."""
+    return config.layer_kinds("mlp_layer_types", ("dense", "sparse"))
 
 
 class DecoderLayer(nn.Module):

@@ -13,19 +13,9 @@ from __future__ import annotations
 import dataclasses
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.errors import ConfigError
-from jaxinfer.models.decoder import DecoderSpec, DenseMLP, LayerSpec
+from jaxinfer.models.decoder import DecoderSpec, DenseMLP, LayerSpec, mlp_layer_types
 from jaxinfer.models.deepseek_v3 import DeepseekV3ForCausalLM, deepseek_moe, mla_spec
 from jaxinfer.models.layers.mla import Indexer
-
-
-def mlp_layer_types(config: ModelConfig) -> tuple[str, ...]:
-    """``mlp_layer_types`` ("dense" / "sparse" per layer), as HF's config class fills it in."""
-    n = config.num_hidden_layers
-    kinds = config.get("mlp_layer_types")
-    if not isinstance(kinds, (list, tuple)) or len(kinds) != n or any(k not in ("dense", "sparse") for k in kinds):
-        raise ConfigError(f"mlp_layer_types must list 'dense' or 'sparse' for each of the {n} layers, got {kinds!r}")
-    return tuple(kinds)
 
 
 def indexer_spec(config: ModelConfig, *, rope_interleave: bool = False) -> Indexer:

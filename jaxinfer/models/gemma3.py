@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.decoder import (DecoderForCausalLM, DecoderSpec, DenseMLP, LayerSpec, NormStyle, SandwichResidual,
-                                     layer_windows)
+                                     attention_layer_types, layer_windows)
 from jaxinfer.models.layers.activations import get_activation
 from jaxinfer.models.layers.attention import GQA
 
@@ -24,7 +24,7 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
         scale = config.float_field("query_pre_attn_scalar", default=float(config.head_dim), gt=0) ** -0.5
         bias = config.bool_field("attention_bias", default=False)
         windows = layer_windows(config)
-        layer_types = config.get("layer_types") or ["full_attention"] * config.num_hidden_layers
+        layer_types = attention_layer_types(config)
         layers = tuple(
             LayerSpec(GQA(qkv_bias=bias, o_bias=bias, qk_norm="head", qk_norm_unit_offset=True, sliding_window=w,
                           scale=scale, rope_layer_type=kind),

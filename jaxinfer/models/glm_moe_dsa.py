@@ -14,21 +14,18 @@ import dataclasses
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import ConfigError
-from jaxinfer.models.decoder import DecoderSpec, DenseMLP, LayerSpec
+from jaxinfer.models.decoder import DecoderSpec, DenseMLP, LayerSpec, mlp_layer_types
 from jaxinfer.models.deepseek_v3 import deepseek_moe, mla_spec
-from jaxinfer.models.deepseek_v32 import DeepseekV32ForCausalLM, indexer_spec, mlp_layer_types
+from jaxinfer.models.deepseek_v32 import DeepseekV32ForCausalLM, indexer_spec
 
 
 def indexer_types(config: ModelConfig) -> tuple[str, ...]:
     """``indexer_types`` ("full" / "shared" per layer, the first one full), as HF's config fills it in."""
-    n = config.num_hidden_layers
-    kinds = config.get("indexer_types")
-    if not isinstance(kinds, (list, tuple)) or len(kinds) != n or any(k not in ("full", "shared") for k in kinds):
-        raise ConfigError(f"indexer_types must list 'full' or 'shared' for each of the {n} layers, got {kinds!r}")
+    kinds = config.layer_kinds("indexer_types", ("full", "shared"))
     if kinds[0] != "full":
         raise ConfigError("indexer_types[0] is 'shared', but a shared layer reuses the selection of a full layer "
                           "before it: the first layer must be 'full'")
-    return tuple(kinds)
+    return kinds
 
 
 class GlmMoeDsaForCausalLM(DeepseekV32ForCausalLM):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import ConfigError
-from jaxinfer.models.decoder import DecoderForCausalLM, DecoderSpec, DenseMLP, LayerSpec
+from jaxinfer.models.decoder import DecoderForCausalLM, DecoderSpec, DenseMLP, LayerSpec, mlp_layer_types
 from jaxinfer.models.deepseek_v3 import mla_spec
 from jaxinfer.models.layers.kda import KDA
 from jaxinfer.models.layers.moe import MoESpec
@@ -29,17 +29,6 @@ from jaxinfer.weights import Tensor
 FFN_NAME = "block_sparse_moe"
 HUB_DENSE_FFN_NAME = "mlp"
 EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
-
-
-def mlp_layer_types(config: ModelConfig) -> tuple[str, ...]:
-    """``mlp_layer_types`` checked: one "dense" or "sparse" per layer."""
-    n, kinds = config.num_hidden_layers, config.get("mlp_layer_types")
-    if not isinstance(kinds, (list, tuple)) or len(kinds) != n:
-        raise ConfigError(f"mlp_layer_types must list one entry per layer ({n}), got {kinds!r}")
-    unknown = sorted({repr(k) for k in kinds if k not in ("dense", "sparse")})
-    if unknown:
-        raise ConfigError(f"mlp_layer_types holds {unknown}; kimi_linear layers are 'dense' or 'sparse'")
-    return tuple(kinds)
 
 
 def kimi_moe(config: ModelConfig) -> MoESpec:

@@ -17,7 +17,6 @@ skipped.
 from __future__ import annotations
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.errors import ConfigError
 from jaxinfer.models.decoder import DecoderForCausalLM, DecoderSpec, DenseMLP, LayerSpec, NormStyle
 from jaxinfer.models.layers.attention import GQA
 from jaxinfer.models.layers.gated_deltanet import GatedDeltaNet
@@ -30,14 +29,7 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 def hybrid_layer_types(config: ModelConfig) -> tuple[str, ...]:
     """``layer_types`` checked: one "linear_attention" or "full_attention" per layer (HF's config
     classes derive it from ``full_attention_interval`` when a checkpoint does not list it)."""
-    n, layer_types = config.num_hidden_layers, config.get("layer_types")
-    if not isinstance(layer_types, (list, tuple)) or len(layer_types) != n:
-        raise ConfigError(f"layer_types must list one entry per layer ({n}), got {layer_types!r}")
-    unknown = sorted({repr(t) for t in layer_types if t not in LAYER_TYPES})
-    if unknown:
-        raise ConfigError(f"layer_types holds {', '.join(unknown)}; {config.model_type} layers are 'linear_attention' or "
-                          "'full_attention'")
-    return tuple(layer_types)
+    return config.layer_kinds("layer_types", LAYER_TYPES)
 
 
 class Qwen3NextForCausalLM(DecoderForCausalLM):

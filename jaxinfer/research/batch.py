@@ -3,8 +3,9 @@
 Token rows are padded to a power of two (at least ``MIN_TOKENS``), sequences to a power of two, and
 each sequence's pages to the power of two above the longest sequence (at least one page): a new
 length within the same buckets reuses the compiled forward. Padding tokens belong to no sequence
-and padding sequences bring no tokens (``jaxinfer.cache.metadata``), so neither changes a result.
-Sequence ``s`` owns pages ``[s * P, (s + 1) * P)`` and state slot ``s``.
+and padding sequences bring no tokens (``jaxinfer.cache.metadata``), so neither changes a result
+beyond float rounding (XLA may tile and sum in another order at another shape). Sequence ``s`` owns
+pages ``[s * P, (s + 1) * P)`` and state slot ``s``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 ``forward`` packs the sequences into bucketed shapes (``batch.py``), runs the program for the kernel
 selection in force and the capture request (``program.py``; a program and its compiled buckets are
-kept on the model), and cuts each sequence's rows out of the padded outputs (``ForwardResult``).
+kept on the model) unless its memory estimate exceeds what is available (``memory.py``), and cuts
+each sequence's rows out of the padded outputs (``ForwardResult``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 
 from jaxinfer.errors import InvalidRequestError
 from jaxinfer.kernels import registry as kernel_registry
+from jaxinfer.research import memory
 from jaxinfer.research import request as requests
 from jaxinfer.research.batch import Batch, pack
 from jaxinfer.research.program import make_program
@@ -89,11 +91,14 @@ def _program(loaded, request, *, logits: bool, logprobs: bool):
 
 
 def run(loaded, sequences, request: requests.CaptureRequest, *, logits: bool = True, logprobs: bool = False):
-    """-> (the packed batch, the program's outputs as numpy arrays over the padded rows)."""
+    """-> (the packed batch, the program's outputs as numpy arrays over the padded rows). A forward
+    whose memory estimate exceeds what is available is refused before anything is allocated."""
     batch = pack(sequences)
     _check_attention_size(loaded, request, batch)
     program = _program(loaded, request, logits=logits, logprobs=logprobs)
-    outputs = program(loaded.params, batch.token_ids, batch.num_new, batch.block_tables, batch.state_slots)
+    args = (loaded.params, batch.token_ids, batch.num_new, batch.block_tables, batch.state_slots)
+    memory.check_fits(loaded, request, batch, program.implementations(*args), logits=logits, logprobs=logprobs)
+    outputs = program(*args)
     return batch, jax.tree_util.tree_map(np.asarray, jax.device_get(outputs))
 
 

@@ -10,12 +10,16 @@ bucket shape. Its outputs (float captures in float32):
 * ``"<capture>/<layer>"`` for per-layer captures, as the layer recorded them (``capture.py``);
 * ``"recurrent_states/<layer>/<array>"``: a state-slot array of the final caches, ``[S, ...]``.
 
-Only what is returned is computed: XLA drops the records of layers that were not asked for.
+Only what is returned is computed: XLA drops the records of layers that were not asked for. The
+implementations the ops took are kept per bucket when a program is traced (``Program.served``), so a
+forward's memory can be estimated after tracing, before anything is allocated (``memory.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -52,22 +56,45 @@ def _hidden_states(records):
     return jnp.stack([_as_float32(x) for x in (embeddings, *outputs[:-1], final)])
 
 
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A research forward: ``jitted(params, token_ids [T], num_new [S], block_tables [S, P],
+    state_slots [S]) -> outputs``, and ``served[(T, S, P)]``: op name -> the implementations that
+    served it in that bucket, recorded when it was traced."""
+
+    jitted: Callable
+    served: dict
+
+    def __call__(self, *args):
+        return self.jitted(*args)
+
+    def implementations(self, *args) -> dict[str, set[str]]:
+        """What served each op for these inputs' bucket: traced (no array is allocated) unless it was."""
+        self.jitted.trace(*args)  # kept by jax.jit: the call that follows does not trace again
+        return self.served[_bucket(args[1], args[3])]
+
+
+def _bucket(token_ids, block_tables) -> tuple[int, int, int]:
+    return (token_ids.shape[0], *block_tables.shape)
+
+
 def make_program(loaded, chosen: kernel_registry.Selection, request: CaptureRequest, *, logits: bool = True,
-                 logprobs: bool = False):
-    """The jitted ``(params, token_ids [T], num_new [S], block_tables [S, P], state_slots [S]) ->
-    outputs`` of ``loaded`` (a ``LoadedModel``) for ``request``."""
+                 logprobs: bool = False) -> Program:
+    """The research ``Program`` of ``loaded`` (a ``LoadedModel``) for ``request``."""
     model, config, dtype = loaded.model, loaded.config, loaded.dtype
     layer_specs = loaded.model_cls.cache_specs(config)
     collections = list(request.collections)
+    served = {}
 
     def run(params, token_ids, num_new, block_tables, state_slots):
         num_seqs, pages_per_seq = block_tables.shape
         layout = CacheLayout(layer_specs, PAGE_SIZE, num_seqs * pages_per_seq, dtype, num_slots=num_seqs)
         md = build_metadata(jnp.zeros_like(num_new), num_new, block_tables, page_size=PAGE_SIZE,
                             num_tokens=token_ids.shape[0], state_slots=state_slots, xp=jnp)
-        with kernel_registry.applied(chosen):
+        with kernel_registry.applied(chosen), kernel_registry.recording() as ops:
             result = model.apply({"params": params}, token_ids, md, layout.zeros(), all_logits=True,
                                  mutable=collections or False)
+        served[_bucket(token_ids, block_tables)] = ops
         (out_logits, caches), variables = result if collections else (result, {})
         records = _records(variables)
         out = {}
@@ -96,7 +123,7 @@ def make_program(loaded, chosen: kernel_registry.Selection, request: CaptureRequ
                 out[f"{name}/{layer}"] = _as_float32(value)
         return out
 
-    return jax.jit(run)
+    return Program(jax.jit(run), served)
 
 
-__all__ = ["make_program"]
+__all__ = ["Program", "make_program"]

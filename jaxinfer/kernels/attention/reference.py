@@ -2,8 +2,10 @@
 
 Scores are computed in float32. A key at position ``j`` is visible to a query at position ``p`` of
 the same sequence when ``j <= p``, ``j < seq_len`` and, with a sliding window ``W``, ``j > p - W``
-(HF's window semantics). Optional extras: ``logit_softcap`` (``cap * tanh(s / cap)``) and ``sinks``
-(one learned logit per query head, an extra softmax column that is dropped afterwards).
+(HF's window semantics); the rows a query cannot see count for nothing, whatever they hold (a NaN
+left in a freed page by a request whose activations overflowed included). Optional extras:
+``logit_softcap`` (``cap * tanh(s / cap)``) and ``sinks`` (one learned logit per query head, an extra
+softmax column that is dropped afterwards).
 """
 
 from __future__ import annotations
@@ -84,7 +86,9 @@ def attention_probs(q, k, visible, *, scale, logit_softcap=None, sinks=None):
 def _attend(q, k, v, visible, *, scale, logit_softcap, sinks):
     """q [N, kv, g, d]; k, v [N, L, kv, d]; visible [N, L] -> [N, kv, g, d] in q's dtype."""
     probs = attention_probs(q, k, visible, scale=scale, logit_softcap=logit_softcap, sinks=sinks)
-    out = jnp.einsum("nkgl,nlkd->nkgd", probs, v.astype(jnp.float32))
+    # Whatever the rows a query cannot see hold (a freed page's NaN / Inf included), not 0 * NaN.
+    v = jnp.where(visible[:, :, None, None], v.astype(jnp.float32), 0.0)
+    out = jnp.einsum("nkgl,nlkd->nkgd", probs, v)
     return out.astype(q.dtype)
 
 
