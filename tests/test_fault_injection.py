@@ -393,3 +393,24 @@ def test_state_slots_and_pages_left_non_finite_are_safe_to_reuse(hf_checkpoint, 
     assert [o.token_ids for o in llm.generate(prompt_token_ids=short, sampling_params=greedy)] == reference
     assert_idle(llm)
     assert llm.engine.scheduler.slots.num_free == llm.engine.layout.num_slots
+
+
+def test_block_table_padding_points_at_the_sequences_own_pages(served):
+    """Entries past a sequence's pages repeat its last page, so a kernel that reads a whole block of
+    entries past its end reads rows of its own, never page 0's (another request's, maybe NaN)."""
+    from jaxinfer.engine.aot import MIXED, CompileKey
+
+    llm, _ = served
+    engine = llm.engine
+    requests = [engine.make_request(p, s) for p, s in zip(PROMPTS[:2], PARAMS[:2])]
+    for r in requests:
+        engine.add(r)
+    batch = engine.scheduler.schedule()
+    key = CompileKey(MIXED, engine.grid.token_buckets[-1], engine.config.max_num_seqs, engine.config.max_pages_per_seq)
+    _, md, _ = engine.runner.mixed_inputs(key, batch.items)
+    for row, (r, _) in enumerate(batch.items):
+        table = np.asarray(md.block_tables[row])
+        assert list(table[:len(r.pages)]) == r.pages and (table[len(r.pages):] == r.pages[-1]).all()
+    assert all(len(r.pages) < key.pages_per_seq for r in requests)  # every row has padding entries
+    engine.abort([r.request_id for r in requests])
+    assert_idle(llm)

@@ -53,6 +53,16 @@ class DecodeState:
     state_slots: jax.Array | None = None  # [S] int32: each sequence's state slot (layers with state)
 
 
+def _fill_block_table(row: np.ndarray, pages: list[int]) -> None:
+    """A sequence's block-table row: its pages, then its last page again to the row's end. A kernel
+    that reads a whole block of entries past the sequence's end (masking their rows) then reads rows of
+    its own, never those of whichever request holds page 0, which may be a request whose activations
+    overflowed (0 * NaN is NaN)."""
+    row[:len(pages)] = pages
+    if pages:
+        row[len(pages):] = pages[-1]
+
+
 def _sampling_rows(requests: list[Request], num_rows: int) -> SamplingBatch:
     temperature = np.zeros(num_rows, np.float32)
     top_k = np.zeros(num_rows, np.int32)
@@ -165,7 +175,7 @@ class ModelRunner:
         for row, (r, n) in enumerate(items):
             token_ids[offset:offset + n] = r.tokens(r.num_computed, r.num_computed + n)
             num_computed[row], num_new[row] = r.num_computed, n
-            block_tables[row, :len(r.pages)] = r.pages
+            _fill_block_table(block_tables[row], r.pages)
             if state_slots is not None:
                 state_slots[row] = r.slot
             offset += n
@@ -184,7 +194,7 @@ class ModelRunner:
         for row, r in enumerate(requests):
             tokens[row] = r.token_at(r.num_tokens - 1)
             positions[row] = r.num_computed
-            block_tables[row, :len(r.pages)] = r.pages
+            _fill_block_table(block_tables[row], r.pages)
             active[row] = True
             remaining[row] = r.remaining_output
             stop_ids[row, :len(r.stop_ids)] = r.stop_ids
