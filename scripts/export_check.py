@@ -16,7 +16,11 @@ import subprocess
 import sys
 import tempfile
 
-import jax
+# Two processes share the GPU (this one and the fresh one that serves the export): neither may take
+# three quarters of its memory up front, as JAX does by default.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import environment, write_json  # noqa: E402
