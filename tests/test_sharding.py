@@ -1,4 +1,5 @@
-"""Tensor parallelism on a CPU mesh of 8 fake devices (a subprocess: the flag must precede jax's start)."""
+"""Tensor parallelism on a CPU mesh of 8 fake devices (a subprocess: the flag must precede jax's start),
+and its programs exported and served."""
 
 from __future__ import annotations
 
@@ -27,13 +28,20 @@ SCRIPT = textwrap.dedent("""
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     options = dict(max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16, warmup=False, show_progress=False)
     one = LLM(path, **options).generate(prompt_token_ids=[ids, ids[:4]], sampling_params=params)
-    two = LLM(path, mesh=mesh, **options).generate(prompt_token_ids=[ids, ids[:4]], sampling_params=params)
+    sharded_llm = LLM(path, mesh=mesh, **options)
+    two = sharded_llm.generate(prompt_token_ids=[ids, ids[:4]], sampling_params=params)
     for prompt, a, b in zip([ids, ids[:4]], one, two):  # sharded sums round otherwise: equal up to a near tie
         assert len(a.token_ids) == len(b.token_ids) == 8
         step = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
         if step is not None:
             logits = single_model.logits(prompt + a.token_ids[:step])[-1]
             assert logits.max() - min(logits[a.token_ids[step]], logits[b.token_ids[step]]) <= 1e-4, (a, b)
+
+    # The sharded programs export as data (their shardings in the description) and serve the same tokens.
+    sharded_llm.export(sys.argv[1] + "-export")
+    served = LLM(path, executables=sys.argv[1] + "-export", mesh=mesh, show_progress=False)
+    assert [o.token_ids for o in served.generate(prompt_token_ids=[ids, ids[:4]], sampling_params=params)] == \
+        [o.token_ids for o in two]
 
     # Experts split whole over the same axis (expert parallelism).
     moe_path = write_tiny_checkpoint(sys.argv[1] + "-moe", "qwen3_moe", with_tokenizer=False,

@@ -313,9 +313,14 @@ def _rebuild(header: dict, xla_executable, backend, devices: dict) -> jax.stages
 
 
 def _same_fields(a, b) -> list[str]:
-    """The fields of two unloaded executables that differ (the executable and client aside)."""
+    """The fields of two unloaded executables that differ (the executable and client aside; a list
+    and a tuple of the same items are the same: jax makes either, and reads them as sequences)."""
+    def value(x, field):
+        v = getattr(x, field)
+        return tuple(v) if isinstance(v, list) else v
+
     skip = {"xla_executable", "backend", "all_args_info"}
-    differ = [f for f in _FIELDS if f not in skip and getattr(a, f) != getattr(b, f)]
+    differ = [f for f in _FIELDS if f not in skip and value(a, f) != value(b, f)]
     ai, bi = a.all_args_info, b.all_args_info
     if (ai is None) != (bi is None) or (ai is not None and (list(ai.in_avals) != list(bi.in_avals) or
                                                             ai.debug_info.arg_names != bi.debug_info.arg_names)):
