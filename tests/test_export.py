@@ -390,3 +390,22 @@ def test_reads_stay_inside_the_export_directory(exports, tmp_path, link, no_load
         os.symlink(os.path.join(outside, "programs"), os.path.join(copy, "programs"))
     with pytest.raises(ExportError, match="outside the export directory"):
         LLM(path, executables=copy, show_progress=False)
+
+
+def test_a_program_an_export_cannot_describe_is_refused_when_written():
+    """Host callbacks (Python the program would call back) and pytree nodes outside the engine's own
+    are refused as the export is written, never stored in a form that would load differently."""
+    from collections import OrderedDict
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.engine import executable_file
+
+    row = jax.ShapeDtypeStruct((3,), jnp.float32)
+    callback = jax.jit(lambda x: jax.pure_callback(lambda a: np.asarray(a) * 2, row, x))
+    with pytest.raises(ExportError, match=r"has \['host_callbacks'\], which an export cannot store as data"):
+        executable_file.serialize(callback.lower(row).compile())
+    ordered = jax.jit(lambda d: d).lower(OrderedDict(a=jax.ShapeDtypeStruct((2,), jnp.float32))).compile()
+    with pytest.raises(ExportError, match="hold a OrderedDict, which an export does not describe"):
+        executable_file.serialize(ordered)

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from jaxinfer.cache.allocator import PageAllocator, SlotAllocator
+from jaxinfer.checks import is_integer
 from jaxinfer.cache.layout import CacheLayout
 from jaxinfer.engine import memory
 from jaxinfer.engine.aot import DECODE, MIXED, BucketGrid, CompileGuard, CompileKey, enable_compilation_cache
@@ -233,8 +234,6 @@ class Engine:
         """End these requests (waiting or running) with ``finish_reason="abort"``; their pages are freed.
         Ids of finished or unknown requests are ignored; an id that is not an int is an
         ``InvalidRequestError``. Safe to call from another thread: a step in progress finishes first."""
-        from jaxinfer.checks import is_integer
-
         single = is_integer(request_ids) or isinstance(request_ids, (str, bytes)) or not isinstance(request_ids, Iterable)
         ids = [request_ids] if single else list(request_ids)
         bad = [i for i in ids if not is_integer(i)]
