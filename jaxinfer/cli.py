@@ -18,10 +18,12 @@ def _engine_options(args) -> dict:
     with --executables, the export's)."""
     options = {"max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
                "max_num_batched_tokens": args.max_num_batched_tokens, "page_size": args.page_size,
-               "page_bucket_growth": args.page_bucket_growth, "compilation_cache_dir": args.compilation_cache_dir}
+               "page_bucket_growth": args.page_bucket_growth, "compilation_cache_dir": args.compilation_cache_dir,
+               "tensor_parallel_size": args.tensor_parallel_size, "data_parallel_size": args.data_parallel_size}
     options = {name: value for name, value in options.items() if value is not None}
     for flag, option, value in (("strict", "strict", True), ("no_compilation_cache", "compilation_cache", False),
-                                ("allow_long_max_model_len", "allow_long_max_model_len", True)):
+                                ("allow_long_max_model_len", "allow_long_max_model_len", True),
+                                ("enable_expert_parallel", "enable_expert_parallel", True)):
         if getattr(args, flag):
             options[option] = value
     return options
@@ -53,6 +55,11 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-compilation-cache", action="store_true", help="compile everything afresh")
     p.add_argument("--allow-long-max-model-len", action="store_true",
                    help="allow --max-model-len beyond the model's max_position_embeddings")
+    p.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="devices each layer is split over: heads, MLP width, vocabulary (default 1)")
+    p.add_argument("--data-parallel-size", type=int, default=None, help="model replicas (only 1 is supported yet)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="split MoE experts whole over the devices instead of by width")
 
 
 def _model_path(args) -> str:
@@ -85,7 +92,11 @@ def cmd_generate(args) -> int:
         # One command's prompts need a few of the export's programs: load each on first use (a
         # strict engine loads them all at start-up).
         options.update(executables=args.executables, warmup=bool(args.strict))
-    llm = LLM(_model_path(args), args.dtype, **options)
+    llm = LLM(_model_path(args), args.dtype, coordinator_address=args.coordinator_address,
+              num_processes=args.num_processes, process_id=args.process_id, **options)
+    if not llm.is_leader:  # another host's process: run what process 0 schedules
+        llm.follow()
+        return 0
     params = dataclasses.replace(llm.get_default_sampling_params(), **given)
     if prompt_ids:
         outputs = llm.generate(sampling_params=params, prompt_token_ids=prompt_ids)
@@ -93,6 +104,7 @@ def cmd_generate(args) -> int:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
     else:
         outputs = llm.generate(args.prompt, params)
+    llm.shutdown()
     if args.verbose:
         print("\n".join(llm.startup_report.lines()), file=sys.stderr)
     failed = False
@@ -128,7 +140,10 @@ def cmd_info(args) -> int:
     from jaxinfer.engine.aot import BucketGrid
     from jaxinfer.engine.config import EngineConfig
     from jaxinfer.loader import open_checkpoint, resolve_dtype
+    from jaxinfer.sharding.for_model import abstract_plan
+    from jaxinfer.sharding.plan import bytes_per_device
     from jaxinfer.tokenizer import has_tokenizer
+    from jaxinfer.weights import declared_params
 
     path = _model_path(args)
     config, model_cls, checkpoint = open_checkpoint(path)
@@ -147,6 +162,16 @@ def cmd_info(args) -> int:
     print(f"layers:          {config.num_hidden_layers}, {config.num_attention_heads} q / "
           f"{config.num_key_value_heads} kv heads of {config.head_dim}")
     print(f"tokenizer:       {'yes' if has_tokenizer(path) else 'none (token-id prompts only)'}")
+    if engine.tensor_parallel_size > 1:
+        shapes, axes = declared_params(model_cls, config, dtype)
+        plan = abstract_plan(model_cls, config, shapes, axes, **engine.parallelism())
+        per_device = sum(bytes_per_device(s.shape, dtype, axes[path], plan) for path, s in shapes.items())
+        # Loading reads one tensor at a time, a slice per device: the most host memory it holds at once.
+        largest = plan.size * max(bytes_per_device(s.shape, s.dtype, axes[path], plan) for path, s in shapes.items())
+        print(f"per device:      {per_device / 2**20:.1f} MiB of weights on each of {plan.size} devices "
+              f"(tensor_parallel_size={plan.tensor_parallel}, KV heads on {plan.mesh.shape['kv_replica']} "
+              f"device(s) each{', experts split whole' if plan.expert_parallel else ''}); loading holds at most "
+              f"{largest / 2**20:.1f} MiB of host memory at once (one tensor's slices)")
     print("cache:           per kind, over all layers:")
     for kind, (per_token, per_sequence) in sorted(layout.bytes_by_kind().items()):
         layers = sum(1 for layer in specs if any(spec.kind == kind for spec in layer))
@@ -215,6 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve the programs of an export (`jaxinfer export`) instead of compiling; it fixes the "
                         "engine options (default --model: the checkpoint it was built from). Trust it like code")
     g.add_argument("-v", "--verbose", action="store_true", help="print the start-up phases' times")
+    g.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                   help="several hosts: process 0's address (run the same command on every host)")
+    g.add_argument("--num-processes", type=int, default=None, help="several hosts: how many processes")
+    g.add_argument("--process-id", type=int, default=None, help="several hosts: this process's id (0 prints)")
     _add_engine_arguments(g)
     g.set_defaults(func=cmd_generate)
 

@@ -36,11 +36,6 @@ class KernelNotSupportedError(JaxInferError, ValueError):
     """An implementation forced on an op (``jaxinfer.kernels.registry.force``) cannot take a call."""
 
 
-class KernelFaultError(JaxInferError, RuntimeError):
-    """A kernel detected at run time that its results are wrong (a persistent kernel's wait gave up);
-    the step's outputs were discarded and its requests ended with an error."""
-
-
 class ExportError(JaxInferError, ValueError):
     """An export directory that cannot be used: missing, malformed or tampered manifest, program files
     that are missing, truncated or altered."""

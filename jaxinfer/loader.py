@@ -14,8 +14,10 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import traverse_util
 
-from jaxinfer.cache.metadata import AttentionMetadata
+from jaxinfer.cache.layout import CacheLayout
+from jaxinfer.cache.metadata import StepMetadata
 from jaxinfer import checks
 from jaxinfer.checkpoint_folder import CheckpointFolder
 from jaxinfer.config import ModelConfig
@@ -24,8 +26,10 @@ from jaxinfer.registry import ModelRegistry
 from jaxinfer.research import forward as research_forward
 from jaxinfer.research.request import CAPTURES, CaptureRequest, layer_captures
 from jaxinfer.research.request import parse as parse_capture
-from jaxinfer.sharding import make_mesh
-from jaxinfer.weights import TEXT_MODEL_LAYOUTS, SafetensorsCheckpoint, load_params
+from jaxinfer.sharding.for_model import plan_for
+from jaxinfer.sharding.forward import REPLICATED, param_specs, sharded
+from jaxinfer.sharding.plan import ShardingPlan
+from jaxinfer.weights import TEXT_MODEL_LAYOUTS, SafetensorsCheckpoint, declared_params, load_params
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -89,20 +93,56 @@ def sequences_of(token_ids, vocab_size: int) -> tuple[list[list[int]], bool]:
 class LoadedModel:
     """A checkpoint's model and parameters, for research: full causal forwards over one sequence or
     a batch, with captures of what happens inside (``jaxinfer.research``). Inputs are padded to
-    power-of-two buckets, so a new length within a bucket reuses the forward compiled before."""
+    power-of-two buckets, so a new length within a bucket reuses the forward compiled before.
+
+    The parameters are partitioned as ``plan`` says (``jaxinfer.sharding``); ``param_axes`` holds
+    each one's logical axes ({path: axes}), as its layer declares them."""
 
     path: str
     config: ModelConfig
     model_cls: type
     model: object  # the flax module
     params: dict
-    mesh: jax.sharding.Mesh
+    plan: ShardingPlan
     dtype: type
+    param_axes: dict
     _forwards: dict = dataclasses.field(default_factory=dict, repr=False)  # the compiled research programs
 
-    def apply(self, token_ids, md: AttentionMetadata, caches, *, all_logits: bool = False):
-        """The pure model function: (params, inputs, caches) -> (float32 logits, caches)."""
-        return self.model.apply({"params": self.params}, token_ids, md, caches, all_logits=all_logits)
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        return self.plan.mesh
+
+    def per_device(self, fn, cache_specs, *, outputs=REPLICATED):
+        """``fn(params, token_ids, md, caches) -> (outputs, caches)`` run on each device's pieces
+        (``jaxinfer.sharding.forward``): parameters and caches partitioned as declared (``cache_specs``:
+        the caches' ``PartitionSpec``s), the step inputs and ``outputs`` the same on every device."""
+        return sharded(self.plan, fn, in_specs=(param_specs(self.plan, self.param_axes), REPLICATED, REPLICATED,
+                                                cache_specs), out_specs=(outputs, cache_specs))
+
+    def check_partitioning(self, param_shapes: dict) -> None:
+        """Trace the per-device forward abstractly (nothing is allocated): a count a layer cannot
+        split over the plan's devices is a ``ConfigError`` here, before any weight is read."""
+        from jaxinfer.weights import dummy_inputs
+
+        token_ids, md, caches = dummy_inputs(self.model_cls, self.config)
+        layout = CacheLayout(self.model_cls.cache_specs(self.config), page_size=1, num_pages=1, dtype=jnp.float32,
+                             num_slots=1)
+        for layer in range(len(layout.layer_specs)):
+            for name, (shape, _, axes) in layout.layer_arrays(layer).items():
+                uneven = [f"dim {d} ({n}, {a})" for d, (n, a) in enumerate(zip(shape, axes))
+                          if n % self.plan.ways(a)]
+                if uneven:
+                    raise ConfigError(f"layer {layer}'s cache array {name!r} does not split over "
+                                      f"tensor_parallel_size = {self.plan.tensor_parallel}: {', '.join(uneven)}; "
+                                      "choose a tensor_parallel_size that divides its head count")
+        params = traverse_util.unflatten_dict(param_shapes)
+        jax.eval_shape(lambda p: self.apply(p, token_ids, md, caches, layout.partition_specs(self.plan)), params)
+
+    def apply(self, params, token_ids, md: StepMetadata, caches, cache_specs, *, all_logits: bool = False):
+        """The model function on the mesh: (params, inputs, caches) -> (float32 logits, caches)."""
+        def forward(params, token_ids, md, caches):
+            return self.model.apply({"params": params}, token_ids, md, caches, all_logits=all_logits)
+        return self.per_device(forward, cache_specs)(params, token_ids, md, caches)
 
     def logits(self, token_ids):
         """float32 logits [num_tokens, vocab] of one causal forward over ``token_ids``; for a batch
@@ -163,10 +203,25 @@ def open_checkpoint(path: str | os.PathLike):
     return config, model_cls, checkpoint
 
 
-def load_model(path: str | os.PathLike, dtype="float32", *, mesh=None, progress: bool = False) -> LoadedModel:
+def load_model(path: str | os.PathLike, dtype="float32", *, tensor_parallel_size: int = 1,
+               data_parallel_size: int = 1, enable_expert_parallel: bool = False, mesh=None,
+               progress: bool = False) -> LoadedModel:
+    """The checkpoint at ``path`` on ``tensor_parallel_size`` devices (or a custom ``mesh`` from
+    ``jaxinfer.sharding.make_mesh``); every count is checked before a weight is read."""
     path = os.fspath(path)
     config, model_cls, checkpoint = open_checkpoint(path)
     dtype = resolve_dtype(dtype, config)
-    mesh = mesh if mesh is not None else make_mesh()
-    params = load_params(checkpoint, model_cls, config, dtype, mesh, progress=progress)
-    return LoadedModel(path, config, model_cls, model_cls(config, dtype), params, mesh, dtype)
+    shapes, axes = declared_params(model_cls, config, dtype)
+    plan = plan_for(model_cls, config, shapes, axes, mesh=mesh, tensor_parallel_size=tensor_parallel_size,
+                    data_parallel_size=data_parallel_size, enable_expert_parallel=enable_expert_parallel)
+    loaded = LoadedModel(path, config, model_cls, model_cls(config, dtype), None, plan, dtype, axes)
+    loaded.check_partitioning(shapes)
+    loaded.params = load_params(checkpoint, model_cls, config, plan, shapes, axes, progress=progress)
+    return loaded
+
+
+def in_memory_model(model_cls, config: ModelConfig, params: dict, dtype, *, path: str = "<in memory>") -> LoadedModel:
+    """A ``LoadedModel`` of parameters made in memory (random weights for a benchmark), on one device."""
+    shapes, axes = declared_params(model_cls, config, dtype)
+    plan = plan_for(model_cls, config, shapes, axes)
+    return LoadedModel(path, config, model_cls, model_cls(config, dtype), params, plan, dtype, axes)

@@ -18,6 +18,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import flax.linen as nn
 import numpy as np
 from flax import traverse_util
 from safetensors import safe_open
@@ -27,7 +28,7 @@ from jaxinfer.cache.metadata import build_metadata
 from jaxinfer.checkpoint_folder import CheckpointFolder
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError, ConfigError
-from jaxinfer.sharding import param_sharding
+from jaxinfer.sharding.plan import ShardingPlan
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +180,7 @@ TEXT_MODEL_LAYOUTS = (
 )
 
 
-def _dummy_inputs(model_cls, config: ModelConfig):
+def dummy_inputs(model_cls, config: ModelConfig):
     """Smallest inputs that trace the model, for ``jax.eval_shape`` of ``init``."""
     layout = CacheLayout(model_cls.cache_specs(config), page_size=1, num_pages=1, dtype=jnp.float32, num_slots=1)
     one = jnp.zeros((1,), jnp.int32)
@@ -188,17 +189,29 @@ def _dummy_inputs(model_cls, config: ModelConfig):
     return one, md, layout.zeros()
 
 
+def declared_params(model_cls, config: ModelConfig, dtype) -> tuple[dict, dict]:
+    """From an abstract ``init``: flat {path: ShapeDtypeStruct} of the model's parameters, and flat
+    {path: the logical axis of each dimension} as its layers declare them (``jaxinfer.sharding``;
+    None for a dimension every device holds whole)."""
+    model = model_cls(config, dtype)
+    variables = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), *dummy_inputs(model_cls, config)))
+    boxed = traverse_util.flatten_dict(variables["params"])
+    shapes = {path: nn.unbox(value) for path, value in boxed.items()}
+    axes = {path: tuple(value.names) if isinstance(value, nn.Partitioned) else (None,) * len(shapes[path].shape)
+            for path, value in boxed.items()}
+    return shapes, axes
+
+
 def expected_params(model_cls, config: ModelConfig, dtype) -> dict[tuple[str, ...], jax.ShapeDtypeStruct]:
     """Flat {path: ShapeDtypeStruct} of the model's parameters, from an abstract ``init``."""
-    model = model_cls(config, dtype)
-    variables = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), *_dummy_inputs(model_cls, config)))
-    return traverse_util.flatten_dict(variables["params"])
+    return declared_params(model_cls, config, dtype)[0]
 
 
 def init_params(model_cls, config: ModelConfig, seed: int = 0, dtype=jnp.float32):
     """Random parameters (HF-style init: normal(0.02) matrices, unit norms). For tiny checkpoints."""
     model = model_cls(config, dtype)
-    return jax.jit(lambda key: model.init(key, *_dummy_inputs(model_cls, config)))(jax.random.PRNGKey(seed))["params"]
+    init = jax.jit(lambda key: nn.unbox(model.init(key, *dummy_inputs(model_cls, config))["params"]))
+    return init(jax.random.PRNGKey(seed))
 
 
 class Tensor:
@@ -364,13 +377,13 @@ def stream_params(checkpoint: SafetensorsCheckpoint, sources: dict, expected: di
     return flat
 
 
-def load_params(checkpoint: SafetensorsCheckpoint, model_cls, config: ModelConfig, dtype, mesh, *,
-                progress: bool = False):
-    """Check, then stream every tensor into a device array with its ``NamedSharding``; then refuse
+def load_params(checkpoint: SafetensorsCheckpoint, model_cls, config: ModelConfig, plan: ShardingPlan,
+                expected: dict, param_axes: dict, *, progress: bool = False):
+    """Check, then stream every tensor (``expected``, ``param_axes``: ``declared_params``) into a
+    device array with its sharding under ``plan`` (each device reads only its slice); then refuse
     non-finite weights."""
-    expected = expected_params(model_cls, config, dtype)
     sources = check_checkpoint(checkpoint, model_cls, config, expected)
-    shardings = {path: param_sharding(path, struct.shape, mesh) for path, struct in expected.items()}
+    shardings = {path: plan.sharding(param_axes[path]) for path in expected}
     flat = stream_params(checkpoint, sources, expected, shardings, progress=progress)
     check_finite(flat, sources)
     return traverse_util.unflatten_dict(flat)

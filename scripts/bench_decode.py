@@ -238,15 +238,14 @@ def build_engine(model_name: str, layers: int, *, steps: int, max_len: int, max_
     from jaxinfer.config import ModelConfig
     from jaxinfer.engine.config import EngineConfig
     from jaxinfer.engine.engine import Engine
-    from jaxinfer.loader import LoadedModel
+    from jaxinfer.loader import in_memory_model
     from jaxinfer.registry import ModelRegistry
-    from jaxinfer.sharding import make_mesh
     from jaxinfer.weights import init_params
 
     config = ModelConfig.from_dict(model_config(model_name, layers, scale_down))
     model_cls = ModelRegistry.resolve(config.architecture)
     params = init_params(model_cls, config, seed=0, dtype=dtype)
-    model = LoadedModel("<random>", config, model_cls, model_cls(config, dtype), params, make_mesh(), dtype)
+    model = in_memory_model(model_cls, config, params, dtype, path="<random>")
     engine_config = EngineConfig(max_model_len=max_len, max_num_seqs=max_seqs, max_num_batched_tokens=batched_tokens,
                                  decode_steps=steps, warmup=False, show_progress=False, max_logprobs=None,
                                  num_pages=num_pages,

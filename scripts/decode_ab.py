@@ -44,8 +44,6 @@ steps trace, and so pick their ops, then). The variants:
 - ``trigger-FAMILY=POINT[,FAMILY=POINT...]``: the Pallas kernels of those families let the next kernel
   launch at another point (``jaxinfer.kernels.pdl``: ``start``, or ``none``: as the last program
   exits); ``trigger-all=none`` for every family.
-- ``moe-block-ops``: a one-token MoE block as its ops one after another (add + norm kernel, router
-  projection, routing kernel, grouped experts) instead of the one-kernel block (``moe.block_mgpu``).
 - Variants joined by ``+`` apply together (``graph-loop+greedy-sampler``).
 
 What the sampler and loop variants measured at B=1 (``benchmarks/results/2026-11-30-h200-r9/``),
@@ -179,10 +177,6 @@ def variant_context(name: str):
                                                            down_tuning=grouped_pallas.KernelTuning(num_stages=4)))
     if name == "unfused-norm-project":
         return _replaced("linear.norm_project", _norm_then_project, pallas=False)
-    if name == "moe-block-ops":
-        from jaxinfer.kernels import registry
-
-        return registry.force("moe.moe_block", "ops")
     if name.startswith(("decode-blocks-", "decode-splits-")):
         from jaxinfer.kernels.attention import decode_pallas
 

@@ -1,10 +1,8 @@
 """GPU proof for the MoE kernels: parity against the reference at real shapes, and benchmarks of the
 grouped GEMM next to XLA's ragged_dot, jax's Mosaic GPU ragged_dot_mgpu, the dense matmul rate and the
-copy bandwidth, all measured in the same run; the routing kernel against the jnp router it replaces;
-the one-token MoE block kernel (``block_mgpu``) against the reference block and the engine's ops.
+copy bandwidth, all measured in the same run; the routing kernel against the jnp router it replaces.
 
     PYTHONPATH=. python3 scripts/moe_check.py             # writes moe_check.json to $JAXINFER_BENCH_DIR (or .)
-    PYTHONPATH=. python3 scripts/moe_check.py --only-block
 """
 
 from __future__ import annotations
@@ -20,10 +18,7 @@ from benchlib import (copy_bandwidth, device_time, environment, kernel_breakdown
                       timer_overhead, write_json)
 
 from jaxinfer.kernels.moe import reference  # noqa: E402
-from jaxinfer.kernels import moe as moe_ops  # noqa: E402
-from jaxinfer.kernels import registry  # noqa: E402
-from jaxinfer.kernels.moe import block_mgpu, grouped_pallas, grouping, grouping_pallas, router_pallas  # noqa: E402
-from jaxinfer.kernels.norm import reference as norm_reference  # noqa: E402
+from jaxinfer.kernels.moe import grouped_pallas, grouping, grouping_pallas, router_pallas  # noqa: E402
 
 SHAPES = {
     "qwen3-30b-a3b": dict(experts=128, top_k=8, hidden=2048, inter=768, activation="silu", bias=False),
@@ -218,114 +213,6 @@ def decode_sweep(bandwidth):
     return rows
 
 
-def _block_layer(seed, dtype=jnp.bfloat16):
-    """One Qwen3-30B-A3B-shaped MoE block's weights (random, scaled like a trained layer's rows)."""
-    s = SHAPES["qwen3-30b-a3b"]
-    e, h, i = s["experts"], s["hidden"], s["inter"]
-    keys = jax.random.split(jax.random.PRNGKey(seed), 5)
-    w = lambda key, shape: (jax.random.normal(key, shape, jnp.float32) * shape[-1] ** -0.5).astype(dtype)  # noqa: E731
-    norm = (1 + 0.1 * jax.random.normal(keys[4], (h,), jnp.float32)).astype(dtype)
-    return dict(norm_weight=norm, router_weight=w(keys[0], (e, h)), gate=w(keys[1], (e, i, h)), up=w(keys[2], (e, i, h)),
-                down=w(keys[3], (e, h, i)))
-
-
-def block_check(layers=8, eps=1e-6):
-    """The one-token MoE block as one kernel (``block_mgpu``) at Qwen3-30B-A3B's shapes.
-
-    Parity, per layer of a chain: the residual stream exactly, the output stream as exactly XLA's
-    bf16 add of the residual and the output, the next call's flag; the router logits (the kernel's
-    flagged words) against the reference projection; the output against ``reference.moe_block``'s
-    parts routed on the kernel's own logits (a last-bit difference at a near tie must not pick
-    another expert for the comparison); and the expert ids and output against the engine's ops.
-    Timing: the chain of ``layers`` blocks (each block's input the last one's output, each its
-    own weights and flag) as kernels against the same chain of the engine's ops (add + norm kernel,
-    router projection, routing kernel, grouped experts), ``device_time`` over chained calls."""
-    if not block_mgpu.device_fits(registry.Target.of_device()):
-        return {"skipped": "this GPU does not take the kernel (a Hopper GPU of 132 SMs)"}
-    ws = [_block_layer(l) for l in range(layers)]
-    keys = jax.random.split(jax.random.PRNGKey(100), 2)
-    attn_out = jax.random.normal(keys[0], (1, 2048), jnp.float32).astype(jnp.bfloat16)
-    residual = jax.random.normal(keys[1], (1, 2048), jnp.float32).astype(jnp.bfloat16)
-    kernel = jax.jit(block_mgpu._build(eps, True))
-    rows, x, res = [], attn_out, residual
-    for l, w in enumerate(ws):
-        flag_words = block_mgpu.flag_words(l + 1)
-        out, h, stream, next_flag, logit_words, _, _, status = kernel(
-            x.reshape(-1), res.reshape(-1), w["norm_weight"], w["router_weight"], w["gate"], w["up"], w["down"],
-            flag_words)
-        status_ok = not bool(jnp.any(block_mgpu.timed_out(block_mgpu.BlockOutputs(None, None, None, None, status),
-                                                          flag_words)))
-        logits = jax.lax.bitcast_convert_type(logit_words[:, 0], jnp.bfloat16).reshape(1, -1)
-        flags_ok = bool(jnp.all(logit_words[:, 1] == np.int32(np.uint32((l + 1) | 1 << 31).view(np.int32))))
-        normed, h_ref = norm_reference.add_rms_norm(x, res, w["norm_weight"], eps)
-        logits_ref = jax.lax.dot_general(normed, w["router_weight"], (((1,), (1,)), ((), ())),
-                                         preferred_element_type=jnp.float32).astype(jnp.bfloat16)
-        weights, ids = reference.route(logits, router="softmax_topk", top_k=8, norm_topk_prob=True)
-        want = reference.moe_mlp(normed, ids, weights, w["gate"], w["up"], w["down"], distinct_experts=True)
-        with registry.force("moe.moe_block", "ops"):  # the engine's ops
-            engine_out, engine_h = moe_ops.moe_block(x, res, **w, eps=eps, top_k=8)
-        engine_stream = engine_out + engine_h
-        _, engine_ids = moe_ops.route(jax.lax.dot_general(normed, w["router_weight"], (((1,), (1,)), ((), ()))),
-                                      router="softmax_topk", top_k=8, norm_topk_prob=True)
-        rel = lambda a, b: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))  # noqa: E731
-                                 / (jnp.max(jnp.abs(b.astype(jnp.float32))) + 1e-6))
-        got = out.reshape(1, -1)
-        row = {"layer": l, "flags_ok": flags_ok, "status_ok": status_ok, "h_equal": bool(jnp.array_equal(h.reshape(1, -1), h_ref)),
-               "next_flag_ok": int(next_flag[0]) == l + 2,
-               "stream_is_h_plus_out": bool(jnp.array_equal(stream, h + out)),  # rounded as XLA's add
-               "logits_rel_err": rel(logits, logits_ref), "out_rel_err": rel(got, want),
-               "same_experts_as_engine": bool(jnp.array_equal(jnp.sort(ids), jnp.sort(engine_ids))),
-               "stream_rel_err_vs_engine": rel(stream.reshape(1, -1) - h_ref, engine_stream - h_ref)}
-        row["ok"] = (row["flags_ok"] and row["status_ok"] and row["h_equal"] and row["next_flag_ok"] and row["stream_is_h_plus_out"]
-                     and row["logits_rel_err"] < 2e-2 and row["out_rel_err"] < 3e-2)
-        rows.append(row)
-        print(row, flush=True)
-        x, res = got, h.reshape(1, -1)
-
-    def chain(op):
-        """Blocks as the decoder chains them: each takes the last one's output stream, with a zero
-        residual (the stream is the whole residual), and its flag words."""
-        def run(carry, ws):
-            x, counter = carry
-            flag, zero = block_mgpu.flag_words(counter * layers), jnp.zeros_like(x)
-            for w in ws:
-                x, flag = op(x, zero, **w, flag=flag, eps=eps, top_k=8)
-            return x, counter + 1
-        return run
-
-    timing = {}
-    for name, op in (("kernel", block_mgpu_op), ("engine_ops", engine_ops)):
-        seconds = device_time(chain(op), (attn_out, jnp.int32(1000)), ws, iters=10, repeats=5)
-        timing[name] = {"us_per_layer": seconds * 1e6 / layers}
-    timing["loop_trip_us_per_layer"] = timer_overhead() * 1e6 / layers
-    print(timing, flush=True)
-    # The timed chains' outputs: the kernel's again, after its flags ran up (no stale words passed).
-    again = chain(block_mgpu_op)((attn_out, jnp.int32(5)), ws)
-    first = chain(block_mgpu_op)((attn_out, jnp.int32(7)), ws)
-    # A wait that gives up is reported: the router's words carry another call's flag.
-    w = ws[0]
-    flag_words = block_mgpu.flag_words(123)
-    stale = block_mgpu.moe_block(attn_out, residual, w["norm_weight"], w["router_weight"], w["gate"], w["up"],
-                                 w["down"], flag_words, eps=eps, stale_router_words=True)
-    gave_up = int(jnp.sum(block_mgpu.timed_out(stale, flag_words)))
-    print({"ctas_reporting_a_timeout_with_stale_router_words": gave_up}, flush=True)
-    return {"layers": layers, "parity": rows, "timing": timing,
-            "chain_repeatable": bool(jnp.array_equal(again[0], first[0])),
-            "ctas_reporting_a_timeout_with_stale_router_words": gave_up,
-            "ok": all(r["ok"] for r in rows) and bool(jnp.array_equal(again[0], first[0]))
-            and gave_up == block_mgpu.NUM_SMS}
-
-
-def block_mgpu_op(x, res, *, norm_weight, router_weight, gate, up, down, flag, eps, top_k):
-    return block_mgpu.moe_block(x, res, norm_weight, router_weight, gate, up, down, flag, eps=eps)[:2]
-
-
-def engine_ops(x, res, *, norm_weight, router_weight, gate, up, down, flag, eps, top_k):
-    with registry.force("moe.moe_block", "ops"):
-        out, h = moe_ops.moe_block(x, res, norm_weight, router_weight, gate, up, down, eps=eps, top_k=top_k)
-    return out + h, flag
-
-
 def main():
     import argparse
 
@@ -337,12 +224,7 @@ def main():
                         help="token counts of the benchmarks")
     parser.add_argument("--parity-tokens", type=int, nargs="+", default=[1, 8, 64, 4096],
                         help="token counts of the parity cases")
-    parser.add_argument("--only-block", action="store_true", help="the one-token MoE block kernel alone")
     args = parser.parse_args()
-    if args.only_block:
-        result = {"environment": environment(), "block": block_check()}
-        print("wrote", write_json("moe_block_check.json", result))
-        return
     result = {"environment": environment(), "copy_bandwidth_TBps": copy_bandwidth() / 1e12,
               "bf16_matmul_TFLOPs": matmul_rate() / 1e12, "timer_overhead_unrolled_us": timer_overhead(unroll=10) * 1e6}
     print(result, flush=True)
@@ -350,7 +232,6 @@ def main():
         result["parity"] = parity(args.parity_tokens)
         write_json("moe_check.json", result)
     result["router"] = router_check()
-    result["block"] = block_check()
     write_json("moe_check.json", result)
     result["benchmarks"] = benchmarks(result["copy_bandwidth_TBps"] * 1e12, result["bf16_matmul_TFLOPs"] * 1e12,
                                       args.bench_tokens)

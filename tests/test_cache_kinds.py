@@ -21,6 +21,7 @@ from jaxinfer import LLM, ModelRegistry, SamplingParams
 from jaxinfer.cache import CacheLayout, PagedKV, PagedLatent, PagedSide, SlotAllocator, StateSlots
 from jaxinfer.models.decoder import DecoderForCausalLM, DecoderSpec, DenseMLP, LayerSpec
 from jaxinfer.models.layers.linear import Linear
+from jaxinfer.sharding import ShardingPlan, make_mesh
 from jaxinfer.tiny import write_tiny_checkpoint
 from tests.conftest import assert_same_greedy_tokens, random_prompts
 
@@ -72,7 +73,7 @@ class RunningSumMixer:
         pass  # no config fields of its own
 
     def cache_specs(self, config):
-        return (StateSlots((("sum", (config.hidden_size,), "float32"),)), PagedSide("seen", config.hidden_size))
+        return (StateSlots((("sum", (config.hidden_size,), "float32", (None,)),)), PagedSide("seen", config.hidden_size))
 
     def rotary(self, config):
         return None
@@ -153,7 +154,7 @@ def test_sizes_come_from_the_specs_alone():
     assert layout.bytes_per_page == 61 * 1152 * 64 and layout.total_bytes == 10 * layout.bytes_per_page
     kv = PagedKV(num_kv_heads=8, head_dim=128)
     assert kv.bytes_per_token(jnp.bfloat16) == 2 * 8 * 128 * 2
-    state = StateSlots((("recurrent", (16, 128, 128), "float32"), ("conv", (8192, 3), "bfloat16")))
+    state = StateSlots((("recurrent", (16, 128, 128), "float32", (None, None, None)), ("conv", (8192, 3), "bfloat16", (None, None))))
     assert state.bytes_per_token(jnp.bfloat16) == 0
     assert state.bytes_per_sequence(jnp.bfloat16) == 16 * 128 * 128 * 4 + 8192 * 3 * 2
     side = PagedSide("index_keys", 128)
@@ -161,8 +162,7 @@ def test_sizes_come_from_the_specs_alone():
     assert mixed.bytes_by_kind() == {"PagedLatent": (1152, 0), "PagedSide": (256, 0), "PagedKV": (4096, 0),
                                      "StateSlots": (0, state.bytes_per_sequence(jnp.bfloat16))}
     assert mixed.total_bytes == 4 * 64 * (1152 + 256 + 4096) + 2 * state.bytes_per_sequence(jnp.bfloat16)
-    shapes = jax.tree.map(lambda s: s.shape, mixed.abstract(jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1),
-                                                                               ("data", "model"))))
+    shapes = jax.tree.map(lambda s: s.shape, mixed.abstract(ShardingPlan(make_mesh())))
     assert shapes[0] == {"latent": (4, 64, 576), "index_keys": (4, 64, 128)}
     assert shapes[2] == {"recurrent": (2, 16, 128, 128), "conv": (2, 8192, 3)}
     with pytest.raises(ValueError, match="name an array twice"):

@@ -9,7 +9,6 @@ import pytest
 
 from jaxinfer import LLM, CompilationAfterWarmupError, SamplingParams
 from jaxinfer.engine.aot import CompileGuard
-from jaxinfer.kernels.context import CALL_ID_PERIOD
 from tests.conftest import assert_same_greedy_tokens, random_prompts
 
 SMALL = dict(dtype="float32", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, page_size=8,
@@ -77,7 +76,7 @@ def test_strict_mode_refuses_a_key_outside_the_grid(strict_llm):
     executable = runner._executables.pop(key)
     try:
         with pytest.raises(CompilationAfterWarmupError):
-            runner._call(key, runner._example_inputs(key))
+            runner.call(key, runner.example_inputs(key))
     finally:
         runner._executables[key] = executable
 
@@ -320,13 +319,3 @@ def test_persistent_compilation_cache(tmp_path, hf_checkpoint):
         jax.config.update("jax_compilation_cache_dir", None)
 
 
-def test_every_model_call_gets_its_own_call_ids(strict_llm):
-    """The kernel context's call ids: consecutive, one per model call and ``decode_steps`` per
-    decode loop, wrapping at ``CALL_ID_PERIOD``."""
-    runner = strict_llm.engine.runner
-    before = runner.next_call_id
-    strict_llm.generate(prompt_token_ids=[random_prompts([5], seed=4)[0]], sampling_params=GREEDY)
-    assert runner.next_call_id > before
-    runner.next_call_id = CALL_ID_PERIOD - 3
-    first = runner._take_call_ids(8)
-    assert first.dtype == jnp.int32 and int(first) == CALL_ID_PERIOD - 3 and runner.next_call_id == 5

@@ -120,7 +120,10 @@ def test_the_manifest_is_readable_and_records_what_the_programs_need(exports):
     manifest = json.loads(text)
     assert text.startswith("{\n  \"cache\"") and list(manifest) == sorted(manifest)
     assert manifest["engine"]["max_num_seqs"] == 2 and manifest["dtype"] == "float32"
-    assert manifest["mesh"] == {"axis_names": ["data", "model"], "shape": [1, 1]}
+    assert manifest["mesh"] == {"axis_names": ["data", "model", "kv_replica"], "shape": [1, 1, 1], "plan": {
+        "tensor_parallel_size": 1, "data_parallel_size": 1, "kv_replicas": 1, "expert_parallel": False,
+        "replicated": []}}
+    assert all(len(p["axes"]) == len(p["shape"]) for p in manifest["params"])
     assert set(manifest["environment"]) == {"jax", "jaxlib", "platform", "device_kind", "device_count"}
     assert len(manifest["grid"]["keys"]) == 3 and manifest["grid"]["page_buckets"] == [1]
     layer = manifest["cache"]["layers"][0]

@@ -74,7 +74,7 @@ def test_an_error_inside_a_step_ends_that_steps_requests_only(served, monkeypatc
     requests = [engine.make_request(p, s) for p, s in zip(PROMPTS, PARAMS)]
     for r in requests:
         engine.add(r)
-    monkeypatch.setattr(engine.runner, "_call", Trip(engine.runner._call, 1, RuntimeError("injected")))
+    monkeypatch.setattr(engine.runner, "call", Trip(engine.runner.call, 1, RuntimeError("injected")))
     with pytest.raises(RuntimeError, match="injected"):
         engine.run(requests)
     failed = [r for r in requests if r.finish_reason == "error"]
@@ -134,7 +134,7 @@ def _interrupt_at(llm, point: str, at: int, patch):
     elif point == "schedule":  # after pages were allocated for the batch
         patch.setattr(engine.scheduler, "schedule", Trip(engine.scheduler.schedule, at, error, after=True))
     elif point == "call":  # inputs built, nothing run
-        patch.setattr(runner, "_call", Trip(runner._call, at, error))
+        patch.setattr(runner, "call", Trip(runner.call, at, error))
     elif point == "executable":  # the caches consumed, the new ones not stored
         calls = [0]
 
@@ -171,13 +171,13 @@ def test_abort_from_another_thread(served, monkeypatch):
     ``finish_reason="abort"`` and the tokens they had; the others complete."""
     llm, reference = served
     engine = llm.engine
-    slow_call = engine.runner._call
+    slow_call = engine.runner.call
 
     def slowly(*args):  # a step long enough for the other thread to act within it
         time.sleep(0.05)
         return slow_call(*args)
 
-    monkeypatch.setattr(engine.runner, "_call", slowly)
+    monkeypatch.setattr(engine.runner, "call", slowly)
     long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
     def abort_first_running():

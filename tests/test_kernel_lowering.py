@@ -21,7 +21,6 @@ from jaxinfer.kernels.attention.prefill_pallas import ragged_paged_attention
 from jaxinfer.kernels.attention.rotary_pallas import rotary_cache_write
 from jaxinfer.kernels.linear.skinny_pallas import norm_project, project
 from jaxinfer.kernels.mla import decode_pallas as mla_decode_pallas
-from jaxinfer.kernels.moe import block_mgpu
 from jaxinfer.kernels.moe.grouped_pallas import moe_mlp
 from jaxinfer.kernels.moe.grouping_pallas import group_by_expert
 from jaxinfer.kernels.moe.router_pallas import route
@@ -225,9 +224,6 @@ def test_norm_project_lowers(out_features, in_features, bias):
 
 
 _TRIGGER = "griddepcontrol.launch_dependents"
-# attn_out, residual, norm weight, router, gate, up, down (Qwen3-30B-A3B, one token)
-_MOE_BLOCK_SHAPES = [S((1, 2048), BF16), S((1, 2048), BF16), S((2048,), BF16), S((128, 2048), BF16),
-                     S((128, 768, 2048), BF16), S((128, 768, 2048), BF16), S((128, 2048, 768), BF16)]
 
 
 def _decode_step_kernels():
@@ -246,7 +242,6 @@ def _decode_step_kernels():
         "moe_down": moe,
         "decode_attention": attention,
         "decode_combine": attention,
-        "moe_block": (functools.partial(block_mgpu.moe_block, eps=1e-6), _MOE_BLOCK_SHAPES + [S((32,), I32)]),
     }
 
 
@@ -277,14 +272,6 @@ def test_interpreted_kernels_carry_no_trigger():
 
     assert pdl.with_trigger(kernel, "rms_norm", interpret=True) is kernel
     assert pdl.with_trigger(kernel, "rms_norm") is not kernel
-
-
-def test_moe_block_kernel_lowers():
-    """The one-token MoE block kernel through Mosaic GPU's lowering (layout inference, inline PTX
-    operands) at the shapes it takes."""
-    shapes = [S((2048,), BF16)] * 2 + _MOE_BLOCK_SHAPES[2:] + [S((32,), I32)]  # the kernel takes flat rows
-    text = jax.jit(block_mgpu._build(1e-6, True)).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
 
 
 @pytest.mark.parametrize("batch, context, heads, dtype, merged", [

@@ -1,6 +1,5 @@
 """The kernel registry: a kernel whose ``supports`` refuses a call is never chosen, forcing is public
-and strict, choices are recorded per program; the per-call kernel context hands out unique flags
-and carries faults, which end the step with ``KernelFaultError``."""
+and strict, choices are recorded per program."""
 
 from __future__ import annotations
 
@@ -8,13 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer import LLM, SamplingParams
-from jaxinfer.errors import KernelFaultError, KernelNotSupportedError
-from jaxinfer.kernels import moe as moe_ops
+from jaxinfer import LLM
+from jaxinfer.errors import KernelNotSupportedError
 from jaxinfer.kernels import registry
-from jaxinfer.kernels.context import FLAGS_PER_KERNEL, KERNELS_PER_CALL, KernelContext
-from jaxinfer.kernels.moe import reference as moe_reference
-from tests.conftest import random_prompts
 
 GPU = registry.Target(platform="gpu", device_kind="NVIDIA H200", compute_capability="9.0", sm_count=132)
 
@@ -92,23 +87,6 @@ def test_variants_serve_an_op_with_the_callers_function():
     np.testing.assert_array_equal(np.asarray(op(jnp.ones(3))), 2.0)
 
 
-def test_the_kernel_context_hands_out_a_flag_range_per_kernel():
-    context = KernelContext(jnp.int32(3))
-    words = lambda f: jnp.stack([f, f])  # noqa: E731
-    first = [int(context.flag("a", words)[0]) for _ in range(3)]
-    base = 3 * KERNELS_PER_CALL * FLAGS_PER_KERNEL
-    assert first == [base, base + 1, base + 2]
-    assert int(context.flag("b", words)[0]) == base + FLAGS_PER_KERNEL  # another kernel: its own range
-    context.chain_flag("a", "handed on")
-    assert context.flag("a", words) == "handed on"  # a chained call takes what its predecessor left
-    assert int(context.flag("a", words)[0]) == base + 4  # and its number is counted
-    assert not bool(context.any_fault())
-    context.report_fault("b", jnp.array([False, True]))
-    assert bool(context.any_fault()) and context.fault_sources == ("b",)
-    rebuilt = KernelContext.tree_unflatten(*reversed(context.tree_flatten()))  # a new trace starts clean
-    assert not bool(rebuilt.any_fault()) and int(rebuilt.flag("a", words)[0]) == base
-
-
 def test_the_engine_records_its_choices(hf_checkpoint):
     path, _ = hf_checkpoint("llama")
     llm = LLM(path, dtype="float32", max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16, page_size=8,
@@ -117,42 +95,3 @@ def test_the_engine_records_its_choices(hf_checkpoint):
     assert choices and set(choices) == set(llm.engine.runner.compiled_keys)
     for ops in choices.values():  # the CPU: the references
         assert ops and all(names == ["reference"] for names in ops.values())
-
-
-@pytest.fixture(scope="module")
-def faulty_moe_engine(hf_checkpoint):
-    """A tiny Qwen3-MoE engine whose MoE blocks report a fault in the model call numbered 1000."""
-    def faulty_block(*args, context=None, **options):
-        if context is not None:  # (none when the model is traced for its parameter shapes)
-            context.report_fault("test.faulty_block", context.call_id == 1000)
-        return moe_reference.moe_block(*args, **options)
-
-    path, _ = hf_checkpoint("qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                            head_dim=16, intermediate_size=48)
-    small = dict(dtype="float32", max_model_len=48, max_num_seqs=2, max_num_batched_tokens=16, page_size=8,
-                 show_progress=False, warmup=False)
-    with registry.variant("moe.moe_block", faulty_block, pallas=False):
-        llm = LLM(path, **small)
-    return llm, LLM(path, **small)
-
-
-def test_a_kernel_fault_ends_the_step_and_the_engine_serves_on(faulty_moe_engine):
-    llm, clean = faulty_moe_engine
-    prompts, params = random_prompts([5, 11], seed=3), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    expected = [o.token_ids for o in clean.generate(prompts, params)]
-    assert [o.token_ids for o in llm.generate(prompts, params)] == expected  # no call numbered 1000 yet
-    runner = llm.engine.runner
-    runner.next_call_id = 1000
-    with pytest.raises(KernelFaultError, match="test.faulty_block reported a fault"):
-        llm.generate(prompts, params)
-    scheduler = llm.engine.scheduler
-    assert not scheduler.running and not scheduler.waiting and scheduler.allocator.num_free == scheduler.allocator.num_pages
-    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
-
-
-def test_moe_block_op_without_a_context_runs_the_ops():
-    x = jnp.ones((1, 2048), jnp.bfloat16)
-    args = (x, x, jnp.ones(2048, jnp.bfloat16), jnp.zeros((128, 2048), jnp.bfloat16),
-            jnp.zeros((128, 768, 2048), jnp.bfloat16), jnp.zeros((128, 768, 2048), jnp.bfloat16),
-            jnp.zeros((128, 2048, 768), jnp.bfloat16))
-    assert moe_ops.moe_block_op.choose(GPU, *args, eps=1e-6, top_k=8).name == "ops"

@@ -1,9 +1,16 @@
 """Multi-head latent attention families against transformers: DeepSeek-V3 (with and without a q
 LoRA, YaRN with mscale, interleaved and plain RoPE, grouped routing, dense first layers, shared
-experts), a Sarvam-MLA config, and a Kimi-K2.5-style multimodal checkpoint (its text model); and
-the engine over the latent cache (batching, chunked prefill, preemption)."""
+experts), a Sarvam-MLA config, and a Kimi-K2.5-style multimodal checkpoint (its text model); the engine
+over the latent cache (batching, chunked prefill, preemption); and tensor parallelism by head on a
+CPU mesh of fake devices."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -121,3 +128,76 @@ def test_bfloat16_runs_where_dots_refuse_bfloat16_into_float32(mla_engine):
     full, half = load_model(mla_engine).logits(ids), load_model(mla_engine, "bfloat16").logits(ids)
     assert half.dtype == np.float32 and np.isfinite(half).all()
     assert np.abs(half - full).max() <= 0.02 * np.abs(full).max()
+
+
+# A subprocess: the fake-device flag must precede jax's start. The checkpoint's layers are all dense,
+# so only the attention is split here; the MoE's split has its own tests.
+TENSOR_PARALLEL_SCRIPT = textwrap.dedent("""
+    import contextlib, json, sys
+    import numpy as np
+    from flax import traverse_util
+    from jaxinfer import LLM, SamplingParams, load_model
+    from jaxinfer.kernels import registry
+    from tests.conftest import make_hf_checkpoint, random_prompts
+
+    root, family, tp, interpret, overrides = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", \\
+        json.loads(sys.argv[5])
+    path, _ = make_hf_checkpoint(root, family, **overrides)
+    target = (lambda: registry.targeting(registry.Target.interpreted())) if interpret else contextlib.nullcontext
+    prompts = random_prompts([13, 5], seed=7)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
+    options = dict(max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16, warmup=False, show_progress=False)
+    with target():
+        one = load_model(path).logits(prompts[0])
+        one_out = LLM(path, **options).generate(prompt_token_ids=prompts, sampling_params=params)
+        model = load_model(path, tensor_parallel_size=tp)
+        with registry.recording() as chosen:
+            split = model.logits(prompts[0])
+            split_out = LLM(path, tensor_parallel_size=tp, **options).generate(prompt_token_ids=prompts,
+                                                                            sampling_params=params)
+    attn = model.params["model"]["layers_0"]["self_attn"]
+    print(json.dumps(dict(
+        logits_diff=float(np.abs(one - split).max()), logits_scale=float(np.abs(one).max()),
+        tokens=[[o.token_ids for o in out] for out in (one_out, split_out)],
+        logprobs_diff=max(abs(a[k] - b[k]) for x, y in zip(one_out, split_out)
+                          for a, b in zip(x.logprobs, y.logprobs) for k in a),
+        pieces={name: [list(w.shape), list(w.addressable_shards[0].data.shape)]
+                for name, w in traverse_util.flatten_dict(attn, sep="/").items()},
+        kernels={op: sorted(names) for op, names in chosen.items()})))
+""")
+
+
+def run_tensor_parallel(tmp_path, family: str, tp: int, overrides: dict, *, interpret: bool = False) -> dict:
+    """``family``'s HF checkpoint at ``overrides`` on ``tp`` fake CPU devices against one: the logits
+    of a prompt, greedy tokens and their logprobs through the engine (prefill and decode), each
+    attention weight's global and per-device shape, and the ops' implementations chosen."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={tp}"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-c", TENSOR_PARALLEL_SCRIPT, str(tmp_path), family, str(tp),
+                             "1" if interpret else "0", json.dumps(overrides)], env=env, cwd=root,
+                            capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stderr[-4000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert found["logits_diff"] <= 1e-5 * max(1.0, found["logits_scale"]), found
+    assert found["tokens"][0] == found["tokens"][1], found
+    assert found["logprobs_diff"] <= 1e-4, found
+    return found
+
+
+def assert_split_by_head(pieces: dict, tp: int, column: tuple[str, ...], replicated: tuple[str, ...]) -> None:
+    """The ``column`` projections split by output row (head), o_proj by input column, ``replicated``
+    and the norms whole on each device. ``pieces``: {parameter path: [global shape, local shape]}."""
+    for name in column:
+        (rows, cols), local = pieces[f"{name}/weight"]
+        assert local == [rows // tp, cols], (name, pieces[f"{name}/weight"])
+    (rows, cols), local = pieces["o_proj/weight"]
+    assert local == [rows, cols // tp], pieces["o_proj/weight"]
+    for name in [f"{n}/weight" for n in replicated] + [n for n in pieces if "norm" in n]:
+        assert pieces[name][0] == pieces[name][1], (name, pieces[name])
+
+
+def test_tensor_parallel_splits_heads_without_a_q_lora(tmp_path):
+    """One head per device (4 of 4): q_proj and kv_b_proj by head, the latent projection whole."""
+    family, overrides = CASES["no-q-lora-plain-rope"]
+    found = run_tensor_parallel(tmp_path, family, 4, {**MLA, **overrides, "first_k_dense_replace": 2})
+    assert_split_by_head(found["pieces"], 4, ("q_proj", "kv_b_proj"), ("kv_a_proj_with_mqa",))

@@ -1,14 +1,15 @@
-"""Mixture-of-experts: model parity against transformers, the MXFP4 loader, routers, the expert op and the
-one-token block."""
+"""Mixture-of-experts: model parity against transformers, the MXFP4 loader, routers, the expert op (its
+dropped ids), and the block under tensor and expert parallelism."""
 
 from __future__ import annotations
 
-import dataclasses
+import json
 import os
 import shutil
+import subprocess
+import sys
+import textwrap
 
-import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,13 +17,10 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 from jaxinfer import load_model
-from jaxinfer.kernels import moe as moe_ops
 from jaxinfer.kernels import registry
-from jaxinfer.kernels.context import KernelContext
-from jaxinfer.kernels.moe import block_mgpu, gated_activation, moe_mlp
+from jaxinfer.kernels.moe import gated_activation, moe_mlp
 from jaxinfer.models.gpt_oss import FP4_VALUES, dequantize_mxfp4
-from jaxinfer.models.layers.moe import MoESpec, SparseMoE, route
-from jaxinfer.models.layers.norm import NormWeight, RMSNorm
+from jaxinfer.models.layers.moe import MoESpec, route
 from tests.conftest import assert_greedy_matches_hf, make_hf_checkpoint, random_prompts
 
 MOE = dict(head_dim=16, intermediate_size=48)
@@ -139,8 +137,6 @@ def test_moe_mlp_matches_a_loop_over_tokens(activation):
 
 
 def test_moe_checkpoint_errors_name_the_tensor_and_key(tmp_path):
-    import json
-
     from jaxinfer import CheckpointError, ConfigError
     from jaxinfer.tiny import write_tiny_checkpoint
 
@@ -161,104 +157,108 @@ def test_moe_checkpoint_errors_name_the_tensor_and_key(tmp_path):
         load_model(path)
 
 
-class _MoEBlock(nn.Module):
-    """A decoder layer's MoE half: the norm module and the block, or the block taking both."""
-
-    spec: MoESpec
-    whole: bool
-
-    @nn.compact
-    def __call__(self, attn_out, residual):
-        moe = SparseMoE(self.spec, name="mlp")
-        if self.whole:
-            weight = NormWeight(attn_out.shape[-1], name="post_attention_layernorm")()
-            return moe(attn_out, block=(residual, weight, 1e-6, KernelContext(jnp.int32(7))))
-        h, residual = RMSNorm(1e-6, name="post_attention_layernorm")(attn_out, residual)
-        return moe(h), residual
-
-
-@pytest.mark.parametrize("num_tokens", [1, 5])
-def test_moe_block_is_the_norm_and_the_block(num_tokens):
-    spec = MoESpec(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True)
-    rng = np.random.RandomState(0)
-    attn_out, residual = (jnp.asarray(rng.randn(num_tokens, 64), jnp.float32) for _ in range(2))
-    params = _MoEBlock(spec, whole=False).init(jax.random.PRNGKey(0), attn_out, residual)
-    whole_params = _MoEBlock(spec, whole=True).init(jax.random.PRNGKey(0), attn_out, residual)
-    assert jax.tree.map(jnp.shape, whole_params) == jax.tree.map(jnp.shape, params)  # one checkpoint layout
-    for target in (registry.current_target(), registry.Target.interpreted()):  # the reference; the block's ops
-        with registry.targeting(target):
-            out, h = _MoEBlock(spec, whole=False).apply(params, attn_out, residual)
-            block_out, block_residual = _MoEBlock(spec, whole=True).apply(params, attn_out, residual)
-        np.testing.assert_array_equal(np.asarray(block_out), np.asarray(out))
-        np.testing.assert_array_equal(np.asarray(block_residual), np.asarray(h))
-
-
-def test_which_moe_blocks_are_one_op():
-    spec = MoESpec(num_experts=8, top_k=2, intermediate_size=32)
-    assert spec.is_plain_block
-    for other in (dict(router="sigmoid_bias"), dict(router="topk_softmax"), dict(expert_bias=True),
-                  dict(router_bias=True), dict(activation="gpt_oss"), dict(shared_intermediate_size=16),
-                  dict(routed_scaling_factor=2.5), dict(router_float32=True)):
-        assert not dataclasses.replace(spec, **other).is_plain_block, other
+@pytest.mark.parametrize("target", ["reference", "interpreted"])
+def test_moe_mlp_drops_ids_outside_its_experts(target):
+    """Ids outside [0, E) (another device's experts) add exactly nothing: the output is the sum over the
+    kept pairs alone, at a decode-sized step and at one token; with every id dropped it is zero."""
+    rng = np.random.RandomState(2)
+    t, h, i, e, k = 9, 16, 8, 4, 3
+    x = jnp.asarray(rng.randn(t, h), jnp.float32)
+    gate, up = (jnp.asarray(rng.randn(e, i, h), jnp.float32) for _ in range(2))
+    down = jnp.asarray(rng.randn(e, h, i), jnp.float32)
+    biases = dict(gate_bias=jnp.asarray(rng.randn(e, i), jnp.float32), up_bias=jnp.asarray(rng.randn(e, i), jnp.float32),
+                  down_bias=jnp.asarray(rng.randn(e, h), jnp.float32))
+    global_ids = np.stack([rng.choice(2 * e, k, replace=False) for _ in range(t)]).astype(np.int32)
+    weights = jnp.asarray(rng.rand(t, k), jnp.float32)
+    local = np.where(global_ids < e, global_ids, -1)  # this device: experts [0, e); the others' become -1
+    local[0, 0] = e + 3  # any id outside [0, E) is dropped
+    chosen = registry.current_target() if target == "reference" else registry.Target.interpreted()
+    with registry.targeting(chosen):
+        out = moe_mlp(x, jnp.asarray(local), weights, gate, up, down, activation="gpt_oss", distinct_experts=True,
+                      **biases)
+        one = moe_mlp(x[:1], jnp.asarray(local[:1]), weights[:1], gate, up, down, activation="gpt_oss",
+                      distinct_experts=True, **biases)
+    want = np.zeros((t, h), np.float32)
+    for token in range(t):
+        for slot in range(k):
+            ex = local[token, slot]
+            if 0 <= ex < e:
+                hidden = gated_activation(gate[ex] @ x[token] + biases["gate_bias"][ex],
+                                          up[ex] @ x[token] + biases["up_bias"][ex], "gpt_oss")
+                want[token] += float(weights[token, slot]) * np.asarray(down[ex] @ hidden + biases["down_bias"][ex])
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(one), want[:1], rtol=1e-5, atol=1e-5)
+    every_id_dropped = moe_mlp(x, jnp.full((t, k), -1, jnp.int32), weights, gate, up, down, **biases)
+    assert not np.asarray(every_id_dropped).any()
 
 
-HOPPER = registry.Target(platform="gpu", device_kind="NVIDIA H200", compute_capability="9.0", sm_count=132)
+# The block alone on 4 CPU devices (a subprocess: the device count must precede jax's start): its
+# output under tensor parallelism and expert parallelism, with the reference ops and with the Pallas
+# kernels in interpret mode, against one device; one token, a decode-sized step and a prefill (the
+# three groupings of the kernel). Biases and the correction bias are random (non-zero); the router
+# is scaled so that tokens really choose.
+SHARDED_BLOCK = textwrap.dedent("""
+    import json, sys
+    import flax.linen as nn
+    import jax, jax.numpy as jnp, numpy as np
+    from flax import traverse_util
+    from jax.sharding import PartitionSpec as P
+    from jaxinfer.kernels import registry
+    from jaxinfer.models.layers.moe import MoESpec, SparseMoE
+    from jaxinfer.sharding.forward import param_specs, sharded
+    from jaxinfer.sharding.plan import make_mesh, resolve
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    SPECS = {
+        "gpt_oss": MoESpec(num_experts=8, top_k=2, intermediate_size=32, router="topk_softmax", router_name="router",
+                           router_bias=True, expert_bias=True, activation="gpt_oss"),
+        "shared_sigmoid": MoESpec(num_experts=8, top_k=3, intermediate_size=16, router="sigmoid_bias",
+                                  routed_scaling_factor=2.5, n_group=2, topk_group=1, norm_eps=1e-20,
+                                  shared_intermediate_size=24, shared_expert_gated=True),
+    }
+    out = {}
+    for name, spec in SPECS.items():
+        module = SparseMoE(spec)
+        rng = np.random.RandomState(0)
+        x_all = jnp.asarray(rng.randn(80, 32), jnp.float32)
+        boxed = traverse_util.flatten_dict(module.init(jax.random.PRNGKey(0), x_all[:2])["params"])
+        params = {p: np.asarray(nn.unbox(v)) for p, v in boxed.items()}
+        axes = {p: tuple(v.names) if isinstance(v, nn.Partitioned) else (None,) * params[p].ndim
+                for p, v in boxed.items()}
+        for p in params:
+            if p[-1] in ("bias", "e_score_correction_bias") or p[-1].endswith("_bias"):
+                params[p] = 0.3 * rng.randn(*params[p].shape).astype(np.float32)
+            elif p[0] in ("gate", "router"):
+                params[p] = 30 * params[p]
+            else:  # experts that matter: outputs of order one
+                params[p] = 10 * params[p]
+        tree = traverse_util.unflatten_dict(params)
+        shapes = {p: jax.ShapeDtypeStruct(v.shape, v.dtype) for p, v in params.items()}
+        apply = lambda p, x: module.apply({"params": p}, x)
+        targets = {"reference": registry.current_target(), "interpreted": registry.Target.interpreted()}
+        want = {}
+        for target, chosen in targets.items():
+            for tokens in (1, 9, 80):
+                with registry.targeting(chosen):  # traced afresh: the target picks the ops
+                    want[target, tokens] = np.asarray(jax.jit(lambda p, x: apply(p, x))(tree, x_all[:tokens]))
+        for tp, ep in ((2, False), (4, False), (2, True), (4, True)):
+            plan = resolve(make_mesh(tp), axes, shapes, expert_parallel=ep)
+            for (target, tokens), one in want.items():
+                with registry.targeting(targets[target]):
+                    forward = jax.jit(sharded(plan, apply, (param_specs(plan, axes), P()), P()))
+                    got = np.asarray(forward(tree, x_all[:tokens]))
+                key = f"{name}-tp{tp}{'-ep' if ep else ''}-{target}-{tokens}"
+                out[key] = [float(np.abs(got - one).max()), float(np.abs(one).max())]
+    print(json.dumps(out))
+""")
 
 
-def test_moe_block_kernel_takes_only_its_shapes():
-    bf = lambda *shape: jnp.zeros(shape, jnp.bfloat16)  # noqa: E731
-    x, gate, down, router = bf(1, 2048), bf(128, 768, 2048), bf(128, 2048, 768), bf(128, 2048)
-    semantics = dict(top_k=8, router="softmax_topk", norm_topk_prob=True, activation="silu", has_biases=False)
-    assert block_mgpu.fits(x, gate, gate, down, router, **semantics)
-    for other in (dict(top_k=4), dict(norm_topk_prob=False), dict(router="sigmoid_bias"), dict(has_biases=True),
-                  dict(activation="gpt_oss")):
-        assert not block_mgpu.fits(x, gate, gate, down, router, **{**semantics, **other}), other
-    assert not block_mgpu.fits(bf(2, 2048), gate, gate, down, router, **semantics)
-    assert not block_mgpu.fits(x.astype(jnp.float32), gate, gate, down, router, **semantics)
-    assert not block_mgpu.fits(x, bf(64, 768, 2048), gate, down, router, **semantics)
-    # Where it runs: a Hopper GPU of 132 SMs, one device, a kernel context for its flags.
-    assert block_mgpu.device_fits(HOPPER)
-    for other in (dict(sm_count=114), dict(mesh_size=2), dict(compute_capability="8.0"), dict(platform="cpu")):
-        assert not block_mgpu.device_fits(dataclasses.replace(HOPPER, **other)), other
-    assert not block_mgpu.device_fits(registry.Target.interpreted())  # Mosaic GPU has no interpreter
-    norm, context = bf(2048), KernelContext(jnp.int32(3))
-    block = moe_ops.moe_block_op
-    args = (x, x, norm, router, gate, gate, down)
-    assert block.choose(HOPPER, *args, eps=1e-6, top_k=8, context=context).name == "block_mgpu"
-    assert block.choose(HOPPER, *args, eps=1e-6, top_k=8).name == "ops"  # no context: no flags
-    assert block.choose(HOPPER, *args, eps=1e-6, top_k=4, context=context).name == "ops"
-    assert block.choose(registry.current_target(), *args, eps=1e-6, top_k=8, context=context).name == "reference"
-    flag = block_mgpu.flag_words(1)
-    with pytest.raises(ValueError, match="does not take attn_out float32"):
-        block_mgpu.moe_block(x.astype(jnp.float32), x, norm, router, gate, gate, down, flag, eps=1e-6)
-    with pytest.raises(ValueError, match="residual"):
-        block_mgpu.moe_block(x, bf(2, 2048), norm, router, gate, gate, down, flag, eps=1e-6)
-    with pytest.raises(ValueError, match="needs a flag"):
-        block_mgpu.moe_block(x, x, norm, router, gate, gate, down, None, eps=1e-6)
-    with pytest.raises(ValueError, match=r"32 int32 words \(block_mgpu.flag_words\(flag\)\), not int32\(\)"):
-        block_mgpu.moe_block(x, x, norm, router, gate, gate, down, jnp.int32(1), eps=1e-6)
-
-
-def test_moe_block_kernel_status_words_report_every_failure():
-    flag = block_mgpu.flag_words(jnp.int32(41))
-    own = np.int32(np.uint32(41 | 1 << 31).view(np.int32))
-    status = np.zeros((block_mgpu.NUM_SMS, 2), np.int32)
-    status[:, 1] = own
-
-    def failed(words):
-        outputs = block_mgpu.BlockOutputs(None, None, None, None, jnp.asarray(words))
-        return np.asarray(block_mgpu.timed_out(outputs, flag))
-
-    assert not failed(status).any()
-    gave_up = status.copy()
-    gave_up[5, 0] = 1  # a wait of CTA 5 reached its spin limit
-    assert failed(gave_up).tolist() == [i == 5 for i in range(block_mgpu.NUM_SMS)]
-    never_ran = status.copy()
-    never_ran[7, 1] = own - 1  # CTA 7's word is an earlier call's: it never ran
-    assert failed(never_ran)[7] and failed(never_ran).sum() == 1
-
-
-def test_moe_block_flag_words():
-    words = block_mgpu.flag_words(jnp.int32(41))
-    assert words.shape == (block_mgpu.FLAG_WORDS,) and words.dtype == jnp.int32
-    assert int(words[0]) == 41 and not np.asarray(words[1:]).any()
+def test_the_block_under_tensor_and_expert_parallelism_matches_one_device():
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    result = subprocess.run([sys.executable, "-c", SHARDED_BLOCK], env=env, capture_output=True, text=True,
+                            timeout=1800)
+    assert result.returncode == 0, result.stderr[-4000:]
+    diffs = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(diffs) == 2 * 4 * 2 * 3
+    for key, (diff, scale) in diffs.items():
+        assert scale > 0.1 and diff <= 1e-5 * scale, (key, diff, scale)

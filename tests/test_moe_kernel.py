@@ -13,10 +13,19 @@ from jaxinfer.kernels.moe import grouped_pallas, grouping, grouping_pallas, refe
 
 
 def make_ids(rng, num_tokens, top_k, num_experts, dist):
-    """Expert ids [T, k]: ``uniform``, ``uneven`` (expert 0 takes half the mass, the last three none) or
-    ``duplicates`` (drawn with replacement: a token may pick one expert twice)."""
+    """Expert ids [T, k]: ``uniform``, ``uneven`` (expert 0 takes half the mass, the last three none),
+    ``duplicates`` (drawn with replacement: a token may pick one expert twice) or ``dropped`` (drawn
+    distinct from twice the experts, as one of two expert-parallel devices sees them: the other
+    device's ids -1, one of them out of range instead)."""
     if dist == "duplicates":
         return rng.randint(0, num_experts, size=(num_tokens, top_k)).astype(np.int32)
+    if dist == "dropped":
+        ids = np.stack([rng.choice(2 * num_experts, top_k, replace=False) for _ in range(num_tokens)])
+        ids = np.where(ids < num_experts, ids, -1).astype(np.int32)
+        dropped = np.argwhere(ids < 0)
+        if len(dropped):
+            ids[tuple(dropped[0])] = 2 * num_experts  # out of range rather than -1: dropped all the same
+        return ids
     p = np.ones(num_experts)
     if dist == "uneven":
         p[-3:] = 0.0
@@ -63,6 +72,13 @@ CASES = {
     # A token picking one expert twice; only some of the biases.
     "duplicates-partial-bias-f32": (8, 3, 4, 80, 48, jnp.float32, "silu", ("up_bias", "down_bias"), "duplicates",
                                     {}),
+    # Other devices' experts (expert parallelism): dropped at one token, at a decode-sized step (the
+    # sort-free grouping) and at prefill (the grouping kernels).
+    "dropped-t1-gptoss-bias-f32": (1, 4, 8, 80, 48, jnp.float32, "gpt_oss", ALL_BIASES, "dropped",
+                                   dict(distinct_experts=True)),
+    "dropped-t6-distinct-silu-bias-f32": (6, 3, 8, 80, 48, jnp.float32, "silu", ALL_BIASES, "dropped",
+                                          dict(distinct_experts=True)),
+    "dropped-prefill-gptoss-bias-f32": (100, 4, 8, 80, 48, jnp.float32, "gpt_oss", ALL_BIASES, "dropped", {}),
 }
 
 
@@ -209,10 +225,45 @@ def test_kernel_grouping_equals_the_sorted_one(num_tokens, top_k, num_experts, b
 def test_one_token_grouping():
     """One token: row block j holds slot j (its expert), row 0 of the block; every other row is padding."""
     ids = jnp.asarray([[5, 1, 7, 3]], jnp.int32)
-    g = grouping.group_one_token(ids, 16)
+    g = grouping.group_one_token(ids, 16, 8)
     np.testing.assert_array_equal(np.asarray(g.block_expert), [5, 1, 7, 3])
     np.testing.assert_array_equal(np.asarray(g.pair_row), [0, 16, 32, 48])
     row_pair = np.asarray(g.row_pair).reshape(4, 16)
     np.testing.assert_array_equal(row_pair[:, 0], [0, 1, 2, 3])
     assert (row_pair[:, 1:] == -1).all()
     assert len(g.block_expert) == grouping.num_row_blocks(4, 8, 16)
+
+
+def test_one_token_grouping_drops_other_experts():
+    """A dropped slot's block has expert -1 (the kernels skip it) and the slot no row."""
+    g = grouping.group_one_token(jnp.asarray([[5, -1, 9, 3]], jnp.int32), 16, 8)
+    np.testing.assert_array_equal(np.asarray(g.block_expert), [5, -1, -1, 3])
+    np.testing.assert_array_equal(np.asarray(g.pair_row), [0, -1, -1, 48])
+
+
+@pytest.mark.parametrize("num_tokens, top_k, num_experts, block_m", [
+    (5, 3, 8, 16),     # decode-sized
+    (100, 4, 8, 16),   # prefill: several chunks, multi-block experts
+    (9, 2, 300, 16),   # more experts than one tile of pairs holds
+])
+def test_dropped_pairs_take_no_row(num_tokens, top_k, num_experts, block_m):
+    """Ids outside [0, E) take no row and make no block; the kept pairs are grouped as if the dropped
+    ones were not there; the sort-free and kernel groupings give exactly the sorted one."""
+    ids = make_ids(np.random.RandomState(6), num_tokens, top_k, num_experts, "dropped")
+    flat = ids.ravel()
+    kept = (flat >= 0) & (flat < num_experts)
+    assert kept.any() and not kept.all()
+    want = grouping.group_by_expert(jnp.asarray(ids), num_experts, block_m)
+    row_pair, block_expert, pair_row = (np.asarray(a) for a in want)
+    assert (pair_row[~kept] == -1).all() and (pair_row[kept] >= 0).all()
+    assert sorted(row_pair[row_pair >= 0].tolist()) == np.nonzero(kept)[0].tolist()
+    np.testing.assert_array_equal(row_pair[pair_row[kept]], np.nonzero(kept)[0])
+    loads = np.bincount(flat[kept], minlength=num_experts)
+    np.testing.assert_array_equal(np.bincount(block_expert[block_expert >= 0], minlength=num_experts),
+                                  -(-loads // block_m))
+    others = [grouping_pallas.group_by_expert(jnp.asarray(ids), num_experts, block_m, interpret=True)]
+    if num_tokens <= block_m:
+        others.append(grouping.group_few_by_expert(jnp.asarray(ids), num_experts, block_m))
+    for got in others:
+        for name, a, b in zip(want._fields, want, got):
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=name)

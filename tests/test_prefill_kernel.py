@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.cache.metadata import AttentionMetadata
+from jaxinfer.cache.metadata import StepMetadata
 from jaxinfer.kernels.attention import prefill_pallas, reference
 
 
@@ -38,7 +38,7 @@ def make_step(seqs, *, heads, kv_heads, head_dim, page_size, dtype, num_pad_toke
     seq_ids += [-1] * num_pad_tokens  # padding belongs to no sequence
     slots += [-1] * num_pad_tokens
     seq_lens = np.array([c + n for c, n in seqs] + [0] * num_pad_seqs, np.int32)
-    md = AttentionMetadata(
+    md = StepMetadata(
         positions=jnp.array(positions, jnp.int32), slot_mapping=jnp.array(slots, jnp.int32),
         token_seq_ids=jnp.array(seq_ids, jnp.int32), block_tables=jnp.array(block_tables),
         seq_lens=jnp.array(seq_lens), logits_indices=jnp.zeros(len(seq_lens), jnp.int32))

@@ -1,9 +1,16 @@
 """The gated-DeltaNet hybrids (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) against transformers, and the
 engine over their state slots: logits, greedy tokens, strict mode with a mixed workload whose
 sequences outnumber the slots (slots handed to new sequences), batching, chunked prefill and
-preemption; the two projection layouts are not interchangeable."""
+preemption; the two projection layouts are not interchangeable; tensor parallelism by head on a CPU
+mesh of fake devices, with the recurrent states captured on it against HF's cache."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -141,3 +148,142 @@ def test_the_multimodal_wrapper_serves_its_text_model(tmp_path, hf_checkpoint):
     ids = random_prompts([20], seed=3)[0]
     np.testing.assert_array_equal(load_model(str(tmp_path), dtype="float32").logits(ids),
                                   load_model(path, dtype="float32").logits(ids))
+
+
+def test_tiny_checkpoint_is_an_hf_checkpoint(tmp_path):
+    """The project's own tiny checkpoints, their conv weights and Qwen3.5's in_proj_qkv written back
+    in HF's channel order, give transformers the same logits as here."""
+    import transformers
+
+    from jaxinfer.tiny import write_tiny_checkpoint
+
+    ids = random_prompts([20], vocab_size=259, seed=3)[0]
+    for family, hf_class in (("qwen3_5", transformers.Qwen3_5ForCausalLM),
+                             ("qwen3_next", transformers.Qwen3NextForCausalLM)):
+        path = write_tiny_checkpoint(tmp_path / family, family, with_tokenizer=False)
+        hf_model = hf_class.from_pretrained(path).eval()
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([ids])).logits[0].numpy()
+        np.testing.assert_allclose(load_model(path, dtype="float32").logits(ids), ref, atol=1e-4, rtol=0,
+                                   err_msg=family)
+
+
+# A subprocess: the fake-device flag must precede jax's start.
+TENSOR_PARALLEL_SCRIPT = textwrap.dedent("""
+    import contextlib, json, sys
+    import numpy as np, torch
+    from flax import traverse_util
+    from jaxinfer import LLM, SamplingParams, load_model
+    from jaxinfer.cache.layout import CacheLayout
+    from jaxinfer.kernels import registry
+    from tests.conftest import make_hf_checkpoint, random_prompts
+
+    root, family, tp, interpret, overrides = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", \\
+        json.loads(sys.argv[5])
+    path, hf_model = make_hf_checkpoint(root, family, **overrides)
+    target = (lambda: registry.targeting(registry.Target.interpreted())) if interpret else contextlib.nullcontext
+    prompts = random_prompts([13, 5], seed=7)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
+    options = dict(max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16, warmup=False, show_progress=False)
+    with target():
+        one = load_model(path).logits(prompts[0])
+        one_out = LLM(path, **options).generate(prompt_token_ids=prompts, sampling_params=params)
+        model = load_model(path, tensor_parallel_size=tp)
+        with registry.recording() as chosen:
+            split = model.logits(prompts[0])
+            states = model.forward(prompts[0], capture="recurrent_states").recurrent_states
+            split_out = LLM(path, tensor_parallel_size=tp, **options).generate(prompt_token_ids=prompts,
+                                                                            sampling_params=params)
+    with torch.no_grad():
+        cache = hf_model(torch.tensor([prompts[0]]), use_cache=True).past_key_values
+
+    def hf_states(layer):  # batch row 0; HF keeps the last K conv inputs, channels first
+        if hasattr(cache, "linear_cache"):
+            return {"recurrent_state": cache.linear_cache[layer][0].numpy()}
+        entry = cache.layers[layer]
+        return {"recurrent_state": entry.recurrent_states[0][0].numpy(),
+                "conv_state": entry.conv_states[0][0].numpy()[:, 1:].T}
+
+    first = min(states)
+    layout = CacheLayout(model.model_cls.cache_specs(model.config), 8, 4, model.dtype, num_slots=2)
+    mixer = next(v for k, v in model.params["model"][f"layers_{first}"].items() if k in ("linear_attn", "self_attn"))
+    print(json.dumps(dict(
+        logits_diff=float(np.abs(one - split).max()), logits_scale=float(np.abs(one).max()),
+        tokens=[[o.token_ids for o in out] for out in (one_out, split_out)],
+        logprobs_diff=max(abs(a[k] - b[k]) for x, y in zip(one_out, split_out)
+                          for a, b in zip(x.logprobs, y.logprobs) for k in a),
+        states_diff={f"{layer}/{name}": float(np.abs(value - hf_states(layer)[name]).max())
+                     for layer, arrays in states.items() for name, value in arrays.items()},
+        pieces={name: [list(w.shape), list(w.addressable_shards[0].data.shape)]
+                for name, w in traverse_util.flatten_dict(mixer, sep="/").items()},
+        cache_specs={name: [list(a) if isinstance(a, tuple) else a for a in spec]
+                     for name, spec in layout.partition_specs(model.plan)[first].items()},
+        kernels={op: sorted(names) for op, names in chosen.items()})))
+""")
+
+
+def run_tensor_parallel(tmp_path, family: str, tp: int, overrides: dict, *, interpret: bool = False) -> dict:
+    """``family``'s HF checkpoint at ``overrides`` on ``tp`` fake CPU devices against one: the logits
+    of a prompt, greedy tokens and their logprobs through the engine (prefill and decode), the
+    recurrent states captured on ``tp`` devices against HF's cache, the first linear-attention
+    layer's parameters (global and per-device shapes) and cache partition specs, and the ops'
+    implementations chosen."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={tp}"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-c", TENSOR_PARALLEL_SCRIPT, str(tmp_path), family, str(tp),
+                             "1" if interpret else "0", json.dumps(overrides)], env=env, cwd=root,
+                            capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stderr[-4000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert found["logits_diff"] <= 1e-5 * max(1.0, found["logits_scale"]), found
+    assert found["tokens"][0] == found["tokens"][1], found
+    assert found["logprobs_diff"] <= 1e-4, found
+    assert found["states_diff"] and max(found["states_diff"].values()) <= 1e-4, found["states_diff"]
+    return found
+
+
+def assert_split(pieces: dict, tp: int, rows: tuple[str, ...], columns: tuple[str, ...] = (),
+                 whole: tuple[str, ...] = ()) -> None:
+    """``rows``: parameters split along their first dimension; ``columns``: along their last (the
+    row-parallel output projection); ``whole`` (and every norm not named) on each device entire.
+    ``pieces``: {parameter path: [global shape, local shape]}."""
+    for name in rows:
+        shape, local = pieces[name]
+        assert local == [shape[0] // tp, *shape[1:]], (name, pieces[name])
+    for name in columns:
+        shape, local = pieces[name]
+        assert local == [*shape[:-1], shape[-1] // tp], (name, pieces[name])
+    for name in whole:
+        assert pieces[name][0] == pieces[name][1], (name, pieces[name])
+
+
+DENSE = dict(mlp_only_layers=[0, 1])  # Qwen3-Next with a dense MLP in both layers: only the mixers split here
+
+
+def test_tensor_parallel_splits_key_and_value_heads(tmp_path):
+    """Qwen3.5 on 4 devices, one key head and two value heads each: the flat in_proj_qkv (re-laid out
+    per key head on load), z, b, a, the conv weight, A_log and dt_bias by head, out_proj by column;
+    the conv and recurrent state slots split by head; the states captured in HF's layout."""
+    found = run_tensor_parallel(tmp_path, "qwen3_5", 4, dict(HYBRID, linear_num_key_heads=4, linear_num_value_heads=8))
+    assert_split(found["pieces"], 4, ("in_proj_qkv/weight", "in_proj_z/weight", "in_proj_b/weight", "in_proj_a/weight",
+                                      "conv1d/weight", "A_log", "dt_bias"), ("out_proj/weight",), ("norm/weight",))
+    tensor = ["model", "kv_replica"]
+    assert found["cache_specs"] == {"conv_state": [None, None, tensor],
+                                    "recurrent_state": [None, tensor, None, None]}, found["cache_specs"]
+
+
+
+def test_key_heads_that_do_not_split_are_a_config_error():
+    """Value heads that split over 4 devices but key heads that do not: refused before loading, naming
+    the conv weight (a key head is never cut)."""
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.registry import ModelRegistry
+    from jaxinfer.sharding.for_model import abstract_plan
+    from jaxinfer.tiny import tiny_config
+    from jaxinfer.weights import declared_params
+
+    config = ModelConfig.from_dict(tiny_config("qwen3_5", linear_num_key_heads=2, linear_num_value_heads=4))
+    model_cls = ModelRegistry.resolve(config.architecture)
+    shapes, axes = declared_params(model_cls, config, np.float32)
+    with pytest.raises(ConfigError, match=r"linear_attn\.conv1d\.weight dim 0 \(2\)"):
+        abstract_plan(model_cls, config, shapes, axes, tensor_parallel_size=4)

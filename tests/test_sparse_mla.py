@@ -1,7 +1,8 @@
 """DeepSeek sparse attention: DeepSeek-V3.2 and GLM-5 against transformers (logits, greedy tokens,
 the indexer's selections), the engine over the latent and indexer key caches (batching, chunked
-prefill, preemption), and the ops: the query-tiled path equals the reference, ties go to the lower
-position, a long prompt's prefill stays within the memory of its tiles."""
+prefill, preemption), the ops: the query-tiled path equals the reference, ties go to the lower
+position, a long prompt's prefill stays within the memory of its tiles; and tensor parallelism by
+head with the indexer replicated."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from jaxinfer.kernels import registry
 from jaxinfer.kernels import sparse_mla as sparse_ops
 from jaxinfer.kernels.sparse_mla import attention_pallas, indexer_pallas, reference, tiled
 from tests.conftest import assert_logits_and_greedy_match_hf, assert_serving_is_consistent, random_prompts
+from tests.test_mla import assert_split_by_head, run_tensor_parallel
 
 # 16 indexer heads (with few, ReLU zeroes many scores and ties decide); index_topk below the prompts.
 V32 = dict(num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
@@ -198,7 +200,7 @@ def test_the_default_splits_fill_one_wave_of_the_sms():
 
     splits = lambda tokens, top_k, latent=512: attention_pallas.default_num_splits(  # noqa: E731
         tokens, 128, top_k, latent, 64, 2)
-    assert registry.local_sms() == 132
+    assert registry.target_sms() == 132
     assert [splits(t, 2048) for t in (1, 2, 8, 16, 32, 33, 8192)] == [32, 16, 4, 2, 1, 1, 1]
     assert splits(1, 256) == 4  # four key blocks of 64
     assert splits(1, 64) == 1
@@ -329,7 +331,7 @@ def test_a_long_prompt_prefill_program_stays_far_below_dense_scores(tmp_path):
 
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), model.params)
     compiled = jax.jit(prefill, donate_argnums=(2,)).lower(
-        abstract, jax.ShapeDtypeStruct((t,), jnp.int32), layout.abstract(model.mesh)).compile()
+        abstract, jax.ShapeDtypeStruct((t,), jnp.int32), layout.abstract(model.plan)).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
     dense_attention_scores = 16 * t * t * 4
     assert temp < 8 * 2 ** 30 < dense_attention_scores, temp
@@ -351,3 +353,18 @@ def test_bad_sparse_attention_configs_are_specific_errors(family, overrides, mes
     with pytest.raises(ConfigError, match=message):
         config = ModelConfig.from_dict({**tiny_config(family), **overrides})  # (None kept: an explicit null)
         ModelRegistry.resolve(config.architecture).validate_config(config)
+
+
+@pytest.mark.parametrize("family, tp, overrides, interpret", [
+    # Full and shared layers through the Pallas kernels (kernel-sized dims) in interpret mode.
+    ("glm_moe_dsa", 2, dict(GLM5, first_k_dense_replace=4, qk_rope_head_dim=16), True),
+])
+def test_tensor_parallel_splits_heads_and_keeps_the_indexer_whole(family, tp, overrides, interpret, tmp_path):
+    """Each device attends its heads over the selection of the whole indexer, which every device
+    computes alike: logits, greedy tokens and logprobs as on one device."""
+    found = run_tensor_parallel(tmp_path, family, tp, overrides, interpret=interpret)
+    assert_split_by_head(found["pieces"], tp, ("q_b_proj", "kv_b_proj"),
+                         ("q_a_proj", "kv_a_proj_with_mqa", "indexer/wq_b", "indexer/wk", "indexer/weights_proj"))
+    if interpret:
+        assert found["kernels"]["sparse_mla.indexer_select"] == ["triton"], found["kernels"]
+        assert found["kernels"]["sparse_mla.sparse_mla_attention"] == ["triton"], found["kernels"]

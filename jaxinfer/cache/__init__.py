@@ -3,8 +3,8 @@
 
 from jaxinfer.cache.allocator import OutOfPagesError, PageAllocator, SlotAllocator
 from jaxinfer.cache.layout import CacheLayout
-from jaxinfer.cache.metadata import AttentionMetadata
+from jaxinfer.cache.metadata import StepMetadata
 from jaxinfer.cache.specs import CacheSpec, PagedKV, PagedLatent, PagedSide, PoolSizes, StateSlots
 
-__all__ = ["AttentionMetadata", "CacheLayout", "CacheSpec", "OutOfPagesError", "PageAllocator", "PagedKV",
+__all__ = ["StepMetadata", "CacheLayout", "CacheSpec", "OutOfPagesError", "PageAllocator", "PagedKV",
            "PagedLatent", "PagedSide", "PoolSizes", "SlotAllocator", "StateSlots"]

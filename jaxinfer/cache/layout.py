@@ -10,26 +10,14 @@ scheduler, the runner, the ops and ``jaxinfer info`` all read sizes from here.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from jaxinfer.cache.specs import CacheSpec, PoolSizes
-
-
-@functools.lru_cache(maxsize=None)
-def _zeros(shape, dtype, sharding):
-    """A compiled zero-fill for one array geometry (layers of the same geometry share it)."""
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-
-
-def _fitting(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
-    """``spec``, or replicated where an axis it splits does not divide evenly over the mesh."""
-    fits = all(axis is None or shape[i] % mesh.shape[axis] == 0 for i, axis in enumerate(spec))
-    return spec if fits else P()
+from jaxinfer.sharding.plan import ShardingPlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,27 +76,26 @@ class CacheLayout:
 
     # ---- arrays --------------------------------------------------------------------------------
 
-    def layer_arrays(self, layer: int) -> dict[str, tuple[tuple[int, ...], np.dtype, P]]:
-        """{array name: (shape, dtype, partition spec)} of layer ``layer``'s cache."""
+    def layer_arrays(self, layer: int) -> dict[str, tuple[tuple[int, ...], np.dtype, tuple]]:
+        """{array name: (shape, dtype, logical axes)} of layer ``layer``'s cache."""
         out = {}
         for spec in self.layer_specs[layer]:
-            for name, (shape, dtype, pspec) in spec.arrays(self.sizes).items():
-                out[name] = (shape, np.dtype(dtype or self.dtype), pspec)
+            for name, (shape, dtype, axes) in spec.arrays(self.sizes).items():
+                out[name] = (shape, np.dtype(dtype or self.dtype), axes)
         return out
 
-    def abstract(self, mesh: Mesh) -> list[dict[str, jax.ShapeDtypeStruct]]:
-        """ShapeDtypeStructs of the caches, with their shardings: one dict per layer."""
+    def partition_specs(self, plan: ShardingPlan) -> list[dict[str, P]]:
+        """Each cache array's ``PartitionSpec`` under ``plan``: one dict per layer."""
+        return [{name: plan.spec(axes) for name, (_, _, axes) in self.layer_arrays(layer).items()}
+                for layer in range(len(self.layer_specs))]
+
+    def abstract(self, plan: ShardingPlan) -> list[dict[str, jax.ShapeDtypeStruct]]:
+        """ShapeDtypeStructs of the caches, with their shardings under ``plan``: one dict per layer."""
         return [
-            {name: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, _fitting(pspec, shape, mesh)))
-             for name, (shape, dtype, pspec) in self.layer_arrays(layer).items()}
+            {name: jax.ShapeDtypeStruct(shape, dtype, sharding=plan.sharding(axes))
+             for name, (shape, dtype, axes) in self.layer_arrays(layer).items()}
             for layer in range(len(self.layer_specs))
         ]
-
-    def allocate(self, mesh: Mesh) -> list[dict[str, jax.Array]]:
-        """Zero-filled caches (zeros, so stale or unused pages and slots never hold NaNs), made on the
-        devices in their shardings."""
-        return [{name: _zeros(s.shape, s.dtype, s.sharding)() for name, s in layer.items()}
-                for layer in self.abstract(mesh)]
 
     def zeros(self) -> list[dict[str, jax.Array]]:
         """Unsharded zero caches (the research forward, ``jax.eval_shape`` of a model's init)."""

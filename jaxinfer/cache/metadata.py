@@ -13,10 +13,6 @@ offset``). Padding tokens belong to no sequence: ``valid[t]`` is False, ``token_
 ``decode`` (static) says every sequence brings at most one token, ``T == S`` and token ``s`` belongs
 to sequence ``s`` (a finished row of a decode loop is padding); attention then takes the decode op.
 ``logits_indices[s]`` is the token row whose logits sequence ``s`` samples from (its last token).
-
-``kernel_context`` (a ``jaxinfer.kernels.context.KernelContext``, or None) is what some kernels
-need from the engine per model call; models hand it to ops unread. Without it those kernels are not
-chosen.
 """
 
 from __future__ import annotations
@@ -25,18 +21,18 @@ import jax
 import numpy as np
 from flax import struct
 
-from jaxinfer.kernels.context import KernelContext
-
 
 @struct.dataclass
-class AttentionMetadata:
+class StepMetadata:
+    """One step's metadata, read by every mixer (attention, MLA, the linear-attention layers) and
+    replicated on every device."""
+
     positions: jax.Array  # [T] int32
     slot_mapping: jax.Array  # [T] int32, -1 for padding
     token_seq_ids: jax.Array  # [T] int32, -1 for padding
     block_tables: jax.Array  # [S, pages_per_seq] int32
     seq_lens: jax.Array  # [S] int32
     logits_indices: jax.Array  # [S] int32
-    kernel_context: KernelContext | None = None
     valid: jax.Array | None = None  # [T] bool
     query_start: jax.Array | None = None  # [S + 1] int32
     state_slots: jax.Array | None = None  # [S] int32, -1: none
@@ -53,7 +49,7 @@ class AttentionMetadata:
 
 
 def build_metadata(num_computed, num_new, block_tables, *, page_size: int, num_tokens: int, state_slots=None,
-                   kernel_context: KernelContext | None = None, decode: bool = False, xp=np) -> AttentionMetadata:
+                   decode: bool = False, xp=np) -> StepMetadata:
     """The step's metadata from per-sequence arrays; ``xp`` is ``numpy`` on the host or
     ``jax.numpy`` on the device (the decode loop, a traced forward), with the same result.
 
@@ -88,10 +84,9 @@ def build_metadata(num_computed, num_new, block_tables, *, page_size: int, num_t
     logits_indices = rows if decode else xp.maximum(query_start[1:] - 1, 0).astype(int32)
     if state_slots is not None:
         state_slots = xp.asarray(state_slots, int32)
-    return AttentionMetadata(
+    return StepMetadata(
         positions=positions, slot_mapping=slot_mapping, token_seq_ids=xp.where(valid, seq, -1).astype(int32),
         block_tables=block_tables, seq_lens=seq_lens, logits_indices=logits_indices,
-        kernel_context=kernel_context,
         valid=valid, query_start=query_start, state_slots=state_slots, fresh=(num_computed == 0) & (num_new > 0),
         decode=decode,
     )

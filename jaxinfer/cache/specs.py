@@ -14,6 +14,9 @@ Kinds:
   width]`` (e.g. a sparse-attention indexer's keys).
 * ``StateSlots``: fixed-size per-sequence arrays, ``[num_slots, *shape]`` each (a linear-attention
   layer's recurrent and conv state); a slot handed to a new sequence starts from zeros.
+
+Each array declares the logical axis of each dimension (``jaxinfer.sharding.plan``); the plan maps
+them to the mesh.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import dataclasses
 import math
 
 import numpy as np
-from jax.sharding import PartitionSpec as P
+from jaxinfer.sharding.plan import KV_HEADS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +40,8 @@ class PoolSizes:
 @dataclasses.dataclass(frozen=True)
 class CacheSpec:
     """Base of the kinds: ``arrays`` maps array name -> (shape, dtype or None for the cache dtype,
-    partition spec over the mesh axes)."""
+    the logical axis of each dimension: ``jaxinfer.sharding.plan``, None for a dimension every device
+    holds whole)."""
 
     paged = True  # one row per token in the page pool (else: one slot per sequence)
 
@@ -45,7 +49,7 @@ class CacheSpec:
     def kind(self) -> str:
         return type(self).__name__
 
-    def arrays(self, sizes: PoolSizes) -> dict[str, tuple[tuple[int, ...], np.dtype | None, P]]:
+    def arrays(self, sizes: PoolSizes) -> dict[str, tuple[tuple[int, ...], np.dtype | None, tuple]]:
         raise NotImplementedError
 
     def bytes_per_token(self, dtype) -> int:
@@ -71,8 +75,9 @@ class PagedKV(CacheSpec):
 
     def arrays(self, sizes):
         shape = (self.num_kv_heads, sizes.num_pages, sizes.page_size, self.head_dim)
-        # KV heads split over the tensor-parallel axis, like the attention heads that write them.
-        return {"k": (shape, None, P("model", None, None, None)), "v": (shape, None, P("model", None, None, None))}
+        # Split by KV head, as the k/v projections that write them.
+        axes = (KV_HEADS, None, None, None)
+        return {"k": (shape, None, axes), "v": (shape, None, axes)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +87,8 @@ class PagedLatent(CacheSpec):
 
     def arrays(self, sizes):
         # No head axis: every head reads the same latent rows, so tensor parallelism replicates them.
-        return {"latent": ((sizes.num_pages, sizes.page_size, self.latent_dim + self.rope_dim), None, P())}
+        return {"latent": ((sizes.num_pages, sizes.page_size, self.latent_dim + self.rope_dim), None,
+                           (None, None, None))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,18 +99,19 @@ class PagedSide(CacheSpec):
 
     def arrays(self, sizes):
         own = np.dtype(self.dtype) if self.dtype else None
-        return {self.name: ((sizes.num_pages, sizes.page_size, self.width), own, P())}
+        return {self.name: ((sizes.num_pages, sizes.page_size, self.width), own, (None, None, None))}
 
 
 @dataclasses.dataclass(frozen=True)
 class StateSlots(CacheSpec):
-    """``states``: (name, per-sequence shape, dtype) triples, dtype None for the cache dtype (a conv
-    state of recent inputs); recurrent state is float32."""
+    """``states``: (name, per-sequence shape, dtype, logical axes of that shape) per array, dtype None
+    for the cache dtype (a conv state of recent inputs; recurrent state is float32); a layer split by
+    head (``HEADS``) splits its state the same way."""
 
-    states: tuple[tuple[str, tuple[int, ...], str | None], ...]
+    states: tuple[tuple[str, tuple[int, ...], str | None, tuple], ...]
 
     paged = False
 
     def arrays(self, sizes):
-        return {name: ((sizes.num_slots, *shape), np.dtype(dtype) if dtype else None, P())
-                for name, shape, dtype in self.states}
+        return {name: ((sizes.num_slots, *shape), np.dtype(dtype) if dtype else None, (None, *axes))
+                for name, shape, dtype, axes in self.states}

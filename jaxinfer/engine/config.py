@@ -36,6 +36,9 @@ class EngineConfig:
     compilation_cache_dir: str | None = None  # its folder (default: xla-cache under $JAXINFER_HOME or ~/.cache/jaxinfer)
     seed: int = 0  # base of the per-request seeds for requests that give none
     show_progress: bool = True
+    tensor_parallel_size: int = 1  # devices each layer is split over (heads, MLP width, vocabulary)
+    data_parallel_size: int = 1  # replicas of the model splitting the sequences (not supported yet: must be 1)
+    enable_expert_parallel: bool = False  # MoE experts split whole over the devices instead of by width
 
     def validate(self) -> None:
         """``ConfigError`` naming any option of the wrong type or out of range."""
@@ -43,7 +46,7 @@ class EngineConfig:
             return f"EngineConfig.{field}"
 
         for field in ("max_num_seqs", "max_num_batched_tokens", "page_size", "decode_steps", "min_token_bucket",
-                      "max_stop_token_ids"):
+                      "max_stop_token_ids", "tensor_parallel_size", "data_parallel_size"):
             checks.integer(getattr(self, field), name(field), ge=1)
         checks.integer(self.page_bucket_growth, name("page_bucket_growth"), ge=2)
         for field in ("max_model_len", "num_pages"):
@@ -51,7 +54,8 @@ class EngineConfig:
         checks.optional(checks.integer, self.max_logprobs, name("max_logprobs"), ge=0)
         checks.integer(self.seed, name("seed"), ge=0)
         checks.number(self.kv_cache_memory_fraction, name("kv_cache_memory_fraction"), gt=0, le=1)
-        for field in ("allow_long_max_model_len", "strict", "warmup", "compilation_cache", "show_progress"):
+        for field in ("allow_long_max_model_len", "strict", "warmup", "compilation_cache", "show_progress",
+                      "enable_expert_parallel"):
             checks.boolean(getattr(self, field), name(field))
         if self.compilation_cache_dir is not None and not isinstance(self.compilation_cache_dir, str):
             raise ConfigError(f"{name('compilation_cache_dir')} must be a path string, got {self.compilation_cache_dir!r}")
@@ -73,6 +77,11 @@ class EngineConfig:
             raise ConfigError(f"{name('num_pages')}={self.num_pages} x page_size={self.page_size} = "
                               f"{self.num_pages * self.page_size} cache rows, which int32 indices cannot address: keep "
                               "num_pages * page_size below 2**31")
+
+    def parallelism(self) -> dict:
+        """The options that partition the model (``jaxinfer.load_model``'s keywords)."""
+        return dict(tensor_parallel_size=self.tensor_parallel_size, data_parallel_size=self.data_parallel_size,
+                    enable_expert_parallel=self.enable_expert_parallel)
 
     def for_model(self, model_config) -> "EngineConfig":
         """A validated copy with ``max_model_len`` resolved for the model: its

@@ -18,12 +18,13 @@ import threading
 import time
 from collections.abc import Iterable
 
+import jax
 import numpy as np
 
 from jaxinfer.cache.allocator import PageAllocator, SlotAllocator
 from jaxinfer.checks import is_integer
 from jaxinfer.cache.layout import CacheLayout
-from jaxinfer.engine import memory
+from jaxinfer.engine import memory, multihost
 from jaxinfer.engine.aot import DECODE, MIXED, BucketGrid, CompileGuard, CompileKey, enable_compilation_cache
 from jaxinfer.engine.config import EngineConfig, bucket_for
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer
@@ -111,6 +112,10 @@ class Engine:
     def __init__(self, model: LoadedModel, config: EngineConfig | None = None, *, tokenizer=None,
                  generation_defaults: GenerationDefaults | None = None, programs=None):
         config = (config or EngineConfig()).for_model(model.config)
+        # The partitioning is the model's (a custom mesh may have set it).
+        config = dataclasses.replace(config, tensor_parallel_size=model.plan.tensor_parallel,
+                                     data_parallel_size=model.plan.data_parallel,
+                                     enable_expert_parallel=model.plan.expert_parallel)
         if config.cache_dir():  # first, so every program of the engine is read from it or written to it
             enable_compilation_cache(config.cache_dir())
         self.model = model
@@ -150,6 +155,21 @@ class Engine:
         self.startup_seconds["cache_allocation_s"] = time.perf_counter() - start
         if programs is None and config.warmup:
             self.warmup()
+        if jax.process_count() > 1 and multihost.is_leader():  # from here on, the followers make each call too
+            self.runner.leader = multihost.Leader()
+
+    def follow(self) -> int:
+        """On a process other than 0 of several: make the device calls process 0 sends, until it
+        stops (``jaxinfer.engine.multihost``); -> the calls made."""
+        if jax.process_count() == 1 or multihost.is_leader():
+            raise RuntimeError("follow() runs on the processes other than 0 of a multi-process engine")
+        return multihost.follow(self.runner)
+
+    def shutdown(self) -> None:
+        """On process 0 of several: tell the other processes to stop following (idempotent)."""
+        if self.runner.leader is not None:
+            self.runner.leader.send(multihost.STOP)
+            self.runner.leader = None
 
     # ---- start-up ------------------------------------------------------------------------------
 

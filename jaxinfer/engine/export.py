@@ -76,20 +76,21 @@ def _serialize_stablehlo(jitted, args) -> tuple[bytes | None, str | None]:
     return bytes(exported.serialize()), None
 
 
-def _layout_json(layout, mesh) -> dict:
+def _layout_json(layout, plan) -> dict:
     layers = [{name: {"shape": list(s.shape), "dtype": s.dtype.name, "spec": spec_to_json(s.sharding.spec)}
-               for name, s in sorted(layer.items())} for layer in layout.abstract(mesh)]
+               for name, s in sorted(layer.items())} for layer in layout.abstract(plan)]
     return {"page_size": layout.page_size, "num_pages": layout.num_pages, "num_slots": layout.num_slots,
             "layers": layers}
 
 
-def _params_json(abstract_params) -> tuple[list[dict], list]:
-    """The parameters in a fixed order (sorted paths): their manifest entries and the abstract values."""
+def _params_json(abstract_params, param_axes: dict) -> tuple[list[dict], list]:
+    """The parameters in a fixed order (sorted paths): their manifest entries (with their logical
+    axes) and the abstract values."""
     from flax import traverse_util
 
     flat = sorted(traverse_util.flatten_dict(abstract_params).items())
     entries = [{"path": list(path), "shape": list(s.shape), "dtype": s.dtype.name,
-                "spec": spec_to_json(s.sharding.spec)} for path, s in flat]
+                "spec": spec_to_json(s.sharding.spec), "axes": list(param_axes[path])} for path, s in flat]
     return entries, [s for _, s in flat]
 
 
@@ -147,11 +148,12 @@ def _manifest(engine, param_entries: list[dict], entries: list[ProgramEntry]) ->
                     "weights_header_sha256": weights_fingerprint(checkpoint)},
         dtype=jnp.dtype(model.dtype).name,
         engine={name: getattr(config, name) for name in PROGRAM_OPTIONS},
-        mesh={"axis_names": list(mesh.axis_names), "shape": [int(n) for n in mesh.devices.shape]},
+        mesh={"axis_names": list(mesh.axis_names), "shape": [int(n) for n in mesh.devices.shape],
+              "plan": model.plan.describe()},
         kernel_target=dataclasses.asdict(runner.kernel_selection.target),
         grid={"token_buckets": list(grid.token_buckets), "seq_buckets": list(grid.seq_buckets),
               "page_buckets": list(grid.page_buckets), "keys": [str(k) for k in grid.keys(config)]},
-        cache=_layout_json(engine.layout, mesh),
+        cache=_layout_json(engine.layout, model.plan),
         params=param_entries,
         programs=entries,
     )
@@ -168,7 +170,7 @@ def write_export(engine, directory: str, *, portable: bool = False, progress: bo
     if portable and importlib.util.find_spec("flatbuffers") is None:  # jax.export serializes with it
         raise ExportError("a portable export needs the flatbuffers package (pip install flatbuffers)")
     runner, config = engine.runner, engine.config
-    param_entries, flat_params = _params_json(runner.abstract_params())
+    param_entries, flat_params = _params_json(runner.abstract_params(), engine.model.param_axes)
     keys = engine.grid.keys(config)
 
     # Every program as (name, key, jitted function, abstract arguments); grid programs take their
@@ -217,7 +219,6 @@ def write_export(engine, directory: str, *, portable: bool = False, progress: bo
             entries.append(ProgramEntry(
                 name=name, form=form, file=file, size=len(data), sha256=hashlib.sha256(data).hexdigest(), key=key,
                 kernels=runner.kernel_choices.get(key, {}) if key is not None else {},
-                fault_reporters=list(runner.fault_reporters(key)) if key is not None else [],
                 not_portable=not_portable.get(name)))
         manifest = _manifest(engine, param_entries, entries)
         with open(os.path.join(staging, MANIFEST_FILE), "w", encoding="utf-8") as f:
@@ -323,7 +324,7 @@ class ProgramSet:
                 program = self.load(entry.name, runner.abstract_args(entry.key))
             else:
                 program = _OnFirstUse(self, entry.name, runner.abstract_args(entry.key))
-            runner.install(entry.key, program, entry.kernels, tuple(entry.fault_reporters))
+            runner.install(entry.key, program, entry.kernels)
         return self.num_loaded - before
 
 

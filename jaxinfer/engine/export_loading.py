@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxinfer.checkpoint_folder import CheckpointFolder
+from jaxinfer.checks import is_integer
 from jaxinfer.engine import memory
 from jaxinfer.engine.aot import BucketGrid
 from jaxinfer.engine.config import EngineConfig
@@ -22,8 +25,9 @@ from jaxinfer.engine.engine import plan_cache
 from jaxinfer.engine.export import ProgramSet, check_grid
 from jaxinfer.engine.export_weights import abstract_params, load_params
 from jaxinfer.engine.manifest import CHECK_FINITE, Manifest
-from jaxinfer.errors import ExportMismatchError
+from jaxinfer.errors import ConfigError, ExportError, ExportMismatchError
 from jaxinfer.loader import LoadedModel, open_checkpoint, resolve_dtype
+from jaxinfer.sharding.plan import LOGICAL_AXES, MESH_AXES, ShardingPlan, as_plan_mesh
 
 
 @dataclasses.dataclass
@@ -36,30 +40,57 @@ class OpenExport:
     model_cls: type
     checkpoint: object
     dtype: object
-    mesh: object
+    plan: ShardingPlan
     programs: ProgramSet
 
     def load_model(self, *, progress: bool = False) -> LoadedModel:
         """The checkpoint's weights in the export's parameter layout, checked finite by its program."""
         manifest = self.programs.manifest
-        check_finite = self.programs.load(CHECK_FINITE, (abstract_params(manifest, self.mesh),))
-        params = load_params(manifest, self.checkpoint, self.model_cls, self.model_config, self.mesh, check_finite,
+        mesh = self.plan.mesh
+        check_finite = self.programs.load(CHECK_FINITE, (abstract_params(manifest, mesh),))
+        params = load_params(manifest, self.checkpoint, self.model_cls, self.model_config, mesh, check_finite,
                              progress=progress)
+        param_axes = {tuple(p["path"]): _logical_axes(p) for p in manifest.params}
         return LoadedModel(path=self.path, config=self.model_config, model_cls=self.model_cls,
-                           model=self.model_cls(self.model_config, self.dtype), params=params, mesh=self.mesh,
-                           dtype=self.dtype)
+                           model=self.model_cls(self.model_config, self.dtype), params=params, plan=self.plan,
+                           dtype=self.dtype, param_axes=param_axes)
 
 
-def _mesh_for(manifest: Manifest, mesh):
-    from jaxinfer.sharding import make_mesh
+def _logical_axes(entry: dict) -> tuple:
+    """A manifest parameter entry's logical axes, checked (the manifest is data)."""
+    axes = entry.get("axes")
+    if (not isinstance(axes, list) or len(axes) != len(entry["shape"])
+            or not all(a is None or a in LOGICAL_AXES for a in axes)):
+        raise ExportError(f"the manifest's parameter {entry['path']!r} has malformed logical axes {axes!r}: "
+                          "export again")
+    return tuple(axes)
 
-    shape, names = list(manifest.mesh["shape"]), list(manifest.mesh["axis_names"])
+
+def _plan_for(manifest: Manifest, mesh) -> ShardingPlan:
+    """The export's partitioning on this machine's devices (or on ``mesh``, which must be the same)."""
+    shape, names, described = manifest.mesh.get("shape"), manifest.mesh.get("axis_names"), manifest.mesh.get("plan")
+    if (names != list(MESH_AXES) or not isinstance(shape, list) or len(shape) != len(MESH_AXES)
+            or not all(is_integer(n) and n >= 1 for n in shape) or not isinstance(described, dict)
+            or described.get("kv_replicas") != shape[-1]):
+        raise ExportError(f"the manifest's mesh {manifest.mesh!r} is malformed: export again")
+    replicas = shape[-1]
     if mesh is None:
-        return make_mesh(tensor_parallel=shape[1], data_parallel=shape[0])
-    if [int(n) for n in mesh.devices.shape] != shape or list(mesh.axis_names) != names:
-        raise ExportMismatchError(f"the export's programs are partitioned over a mesh {dict(zip(names, shape))}; "
-                                  f"this mesh is {dict(zip(mesh.axis_names, mesh.devices.shape))}")
-    return mesh
+        devices = jax.devices()
+        if len(devices) < int(np.prod(shape)):
+            raise ExportMismatchError(f"the export's programs are partitioned over {int(np.prod(shape))} devices "
+                                      f"{dict(zip(names, shape))}; this machine has {len(devices)}")
+        mesh = Mesh(np.array(devices[:int(np.prod(shape))]).reshape(shape), tuple(names))
+    else:
+        try:
+            mesh = as_plan_mesh(mesh, replicas)
+        except ConfigError as e:
+            raise ExportMismatchError(f"the export's programs are partitioned over a mesh {dict(zip(names, shape))}; "
+                                      f"this mesh cannot hold them: {e}") from None
+        if [int(n) for n in mesh.devices.shape] != shape or list(mesh.axis_names) != names:
+            raise ExportMismatchError(f"the export's programs are partitioned over a mesh {dict(zip(names, shape))}; "
+                                      f"this mesh is {dict(zip(mesh.axis_names, mesh.devices.shape))}")
+    return ShardingPlan(mesh, bool(described.get("expert_parallel", False)),
+                        frozenset(described.get("replicated", ())))
 
 
 def _check_fits(manifest: Manifest, config: EngineConfig, model_cls, model_config, dtype) -> None:
@@ -85,8 +116,8 @@ def open_export(directory: str, path: str, dtype, given: dict, config: EngineCon
     config = config.for_model(model_config)
     check_grid(manifest, BucketGrid.from_config(config), config)
     served_dtype = resolve_dtype(manifest.dtype, model_config)
-    mesh = _mesh_for(manifest, mesh)
+    plan = _plan_for(manifest, mesh)
     _check_fits(manifest, config, model_cls, model_config, served_dtype)
     manifest.check_files(directory)
-    return OpenExport(path, config, model_config, model_cls, checkpoint, served_dtype, mesh,
-                      ProgramSet(directory, manifest, mesh))
+    return OpenExport(path, config, model_config, model_cls, checkpoint, served_dtype, plan,
+                      ProgramSet(directory, manifest, plan.mesh))

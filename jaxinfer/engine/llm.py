@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import time
@@ -11,6 +12,7 @@ import numpy as np
 
 from jaxinfer import checks
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine import multihost
 from jaxinfer.engine.aot import CompileGuard, enable_compilation_cache
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
@@ -56,13 +58,21 @@ class LLM:
     loaded (``ExportMismatchError``). An export directory is read as data (no pickle; every read
     confined to it); its executables are compiled device code (see ``jaxinfer.engine.export``).
 
+    ``tensor_parallel_size=T`` splits each layer over ``T`` devices (``enable_expert_parallel=True``:
+    MoE experts split whole); ``mesh`` gives a custom mesh instead (``jaxinfer.sharding.make_mesh``).
+    On several hosts, every host runs the same script with ``coordinator_address="HOST:PORT"``,
+    ``num_processes`` and its ``process_id`` (or jax's environment variables): process 0 generates
+    and ends with ``shutdown()``, the others call ``follow()`` (``jaxinfer.engine.multihost``).
+
     ``startup_report`` says where start-up time went (``jaxinfer.engine.startup.StartupReport``).
     """
 
     def __init__(self, model: str | os.PathLike, dtype: str = "auto", *, engine_config: EngineConfig | None = None,
                  mesh=None, skip_tokenizer_init: bool = False, executables: str | os.PathLike | None = None,
-                 **engine_options):
+                 coordinator_address: str | None = None, num_processes: int | None = None,
+                 process_id: int | None = None, **engine_options):
         started = time.perf_counter()
+        multihost.initialize(coordinator_address, num_processes, process_id)
         self.startup_report = StartupReport(imports_s=process_age())
         path = os.fspath(model)
         config = engine_config or EngineConfig()
@@ -92,10 +102,13 @@ class LLM:
             if export is not None:
                 self.model = export.load_model(progress=config.show_progress)
             else:
-                self.model = load_model(path, dtype, mesh=mesh, progress=config.show_progress)
+                self.model = load_model(path, dtype, mesh=mesh, progress=config.show_progress,
+                                        **config.parallelism())
             loaded = time.perf_counter()
             self.engine = Engine(self.model, config, tokenizer=self.tokenizer, generation_defaults=generation,
                                  programs=None if export is None else export.programs)
+        if self.engine.runner.leader is not None:
+            atexit.register(self.engine.shutdown)
         report, phases = self.startup_report, self.engine.startup_seconds
         report.config_and_weights_s = loaded - started
         report.cache_allocation_s = phases["cache_allocation_s"]
@@ -105,6 +118,20 @@ class LLM:
         if export is not None:
             report.source = "export"
             report.programs_from_export = export.programs.num_loaded
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this process schedules (process 0; the only one on one host)."""
+        return multihost.is_leader()
+
+    def follow(self) -> int:
+        """On every process but 0 of a multi-host engine: run the device calls process 0 sends until it
+        calls ``shutdown()`` (or exits) -> the calls made."""
+        return self.engine.follow()
+
+    def shutdown(self) -> None:
+        """On process 0 of a multi-host engine: release the other processes from ``follow()``."""
+        self.engine.shutdown()
 
     def export(self, directory: str | os.PathLike, *, portable: bool = False):
         """Write this engine's programs (the whole grid, compiled afresh: an executable read from the

@@ -28,7 +28,7 @@ from jaxinfer.errors import ExportError, ExportMismatchError
 
 MANIFEST_FILE = "manifest.json"
 FORMAT = "jaxinfer-export"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 EXECUTABLE = "executable"  # jax.experimental.serialize_executable: this jax, jaxlib and device kind only
 STABLEHLO = "stablehlo"  # jax.export: portable across jax versions and device kinds of one platform
@@ -40,7 +40,8 @@ CHECK_FINITE = "check_finite"  # the program that refuses NaN / Inf weights afte
 # The engine options the programs depend on; an export fixes them. The others (strict, seed, the
 # compilation cache, progress bars, ...) are free at load time.
 PROGRAM_OPTIONS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "num_pages",
-                   "decode_steps", "max_logprobs", "max_stop_token_ids", "min_token_bucket", "page_bucket_growth")
+                   "decode_steps", "max_logprobs", "max_stop_token_ids", "min_token_bucket", "page_bucket_growth",
+                   "tensor_parallel_size", "data_parallel_size", "enable_expert_parallel")
 
 
 class ExportFolder(ConfinedFolder):
@@ -107,7 +108,6 @@ class ProgramEntry:
     sha256: str
     key: CompileKey | None = None
     kernels: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # op -> implementations
-    fault_reporters: list[str] = dataclasses.field(default_factory=list)
     not_portable: str | None = None  # why a portable export kept this program an executable
 
     def to_json(self) -> dict:
@@ -120,7 +120,7 @@ class ProgramEntry:
         key = raw.get("key")
         return cls(name=raw["name"], form=raw["form"], file=raw["file"], size=int(raw["size"]), sha256=raw["sha256"],
                    key=None if key is None else CompileKey(**key), kernels=dict(raw.get("kernels") or {}),
-                   fault_reporters=list(raw.get("fault_reporters") or []), not_portable=raw.get("not_portable"))
+                   not_portable=raw.get("not_portable"))
 
 
 @dataclasses.dataclass
@@ -129,11 +129,11 @@ class Manifest:
     checkpoint: dict  # path, architecture, config_sha256, weights_header_sha256
     dtype: str  # the serving dtype
     engine: dict  # PROGRAM_OPTIONS -> value
-    mesh: dict  # axis_names, shape
+    mesh: dict  # axis_names, shape, plan (jaxinfer.sharding.ShardingPlan.describe())
     kernel_target: dict  # what the kernels were chosen for (jaxinfer.kernels.registry.Target)
     grid: dict  # token_buckets, seq_buckets, page_buckets
     cache: dict  # page_size, num_pages, num_slots, layers: [{array: {shape, dtype, spec}}]
-    params: list[dict]  # {path: [...], shape, dtype, spec}, in the order the check_finite program takes them
+    params: list[dict]  # {path: [...], shape, dtype, spec, axes}, in the order the check_finite program takes them
     programs: list[ProgramEntry]
 
     def to_json(self) -> str:

@@ -26,8 +26,8 @@ def _host_available_bytes() -> int | None:
 
 
 def available_bytes(device=None) -> int | None:
-    """Bytes free for new arrays on ``device`` (default: the first device); None when unknown."""
-    device = device if device is not None else jax.devices()[0]
+    """Bytes free for new arrays on ``device`` (default: this process's first device); None when unknown."""
+    device = device if device is not None else jax.local_devices()[0]
     if device.platform == "cpu":
         return _host_available_bytes()
     stats = device.memory_stats()

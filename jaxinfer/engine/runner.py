@@ -14,9 +14,9 @@ allocates the zero-filled caches on the devices in their shardings (also compile
 that re-making the caches after a failed step compiles nothing, and an export can carry it).
 
 Kernels are chosen for the runner's target (its mesh's devices) and the selection in force when it
-was made (``jaxinfer.kernels.registry``); ``kernel_choices`` keeps each program's. Every model call
-gets a ``KernelContext`` with its own call id; a program also returns whether a kernel reported a
-fault, which raises ``KernelFaultError`` after the call.
+was made (``jaxinfer.kernels.registry``); ``kernel_choices`` keeps each program's. The model runs
+on each device's pieces (``jaxinfer.sharding.forward``); the step inputs, logits and sampled tokens
+are the same on every device.
 """
 
 from __future__ import annotations
@@ -29,16 +29,15 @@ import numpy as np
 from flax import struct
 
 from jaxinfer.cache.layout import CacheLayout
-from jaxinfer.cache.metadata import AttentionMetadata, build_metadata
+from jaxinfer.cache.metadata import StepMetadata, build_metadata
+from jaxinfer.engine import multihost
 from jaxinfer.engine.aot import DECODE, MIXED, CompileKey
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.request import Request
 from jaxinfer.engine.sampling import NONFINITE_TOKEN, SamplingBatch, sample, seed_key_data
-from jaxinfer.errors import CompilationAfterWarmupError, KernelFaultError
+from jaxinfer.errors import CompilationAfterWarmupError
 from jaxinfer.kernels import registry as kernel_registry
-from jaxinfer.kernels.context import CALL_ID_PERIOD, KernelContext
 from jaxinfer.loader import LoadedModel
-from jaxinfer.sharding import replicated
 
 
 @struct.dataclass
@@ -49,7 +48,6 @@ class DecodeState:
     active: jax.Array  # [S] bool
     remaining: jax.Array  # [S] int32: tokens the sequence may still generate
     stop_ids: jax.Array  # [S, K] int32, -1 padded
-    call_id: jax.Array  # [] int32: the first step's ``KernelContext`` call id
     state_slots: jax.Array | None = None  # [S] int32: each sequence's state slot (layers with state)
 
 
@@ -94,11 +92,9 @@ class ModelRunner:
         self._allocator: jax.stages.Compiled | None = None
         self.strict = False  # set once the warm-up is done, in strict mode
         self.compiler_options: dict[str, str | int | bool] = {}  # XLA options for every executable compiled here
-        self.next_call_id = 0  # the KernelContext call id of the next model call
         self.kernel_selection = kernel_registry.selection(kernel_registry.target_for(model.mesh))
+        self.leader: multihost.Leader | None = None  # set on process 0 of several once serving starts
         self.kernel_choices: dict[CompileKey, dict[str, list[str]]] = {}  # op -> implementations, per program
-        self._fault_reporters: dict[CompileKey, tuple[str, ...]] = {}  # kernels that may report a fault
-        self._fault_sources: tuple[str, ...] = ()  # of the program being traced
         self._programs = {
             MIXED: jax.jit(self._mixed_step, donate_argnums=(1,)),
             DECODE: jax.jit(self._decode_loop, donate_argnums=(1,)),
@@ -106,11 +102,17 @@ class ModelRunner:
 
     # ---- the device programs -------------------------------------------------------------------
 
-    def _mixed_step(self, params, caches, token_ids, md: AttentionMetadata, sampling: SamplingBatch):
-        logits, caches = self.model.model.apply({"params": params}, token_ids, md, caches)
+    def _forward(self, params, token_ids, md: StepMetadata, caches):
+        """The model on each device's pieces -> (logits, the same on every device; caches)."""
+        def forward(params, token_ids, md, caches):
+            return self.model.model.apply({"params": params}, token_ids, md, caches)
+        cache_specs = self.layout.partition_specs(self.model.plan)
+        return self.model.per_device(forward, cache_specs)(params, token_ids, md, caches)
+
+    def _mixed_step(self, params, caches, token_ids, md: StepMetadata, sampling: SamplingBatch):
+        logits, caches = self._forward(params, token_ids, md, caches)
         tokens, logprobs = sample(logits, sampling, self.config.max_logprobs)
-        self._fault_sources = md.kernel_context.fault_sources
-        return caches, tokens, logprobs, md.kernel_context.any_fault()
+        return caches, tokens, logprobs
 
     def _decode_loop(self, params, caches, state: DecodeState, sampling: SamplingBatch):
         num_steps, page_size = self.config.decode_steps, self.layout.page_size
@@ -121,14 +123,10 @@ class ModelRunner:
                         jnp.zeros((num_steps, num_seqs, k), jnp.float32))
 
         def step(all_greedy: bool, carry):
-            i, caches, st, out_tokens, out_logprobs, fault = carry
-            context = KernelContext((st.call_id + i) % CALL_ID_PERIOD)
+            i, caches, st, out_tokens, out_logprobs = carry
             md = build_metadata(st.positions, st.active.astype(jnp.int32), st.block_tables, page_size=page_size,
-                                num_tokens=num_seqs, state_slots=st.state_slots, kernel_context=context,
-                                decode=True, xp=jnp)
-            logits, caches = self.model.model.apply({"params": params}, st.tokens, md, caches)
-            fault = fault | context.any_fault()
-            self._fault_sources = context.fault_sources
+                                num_tokens=num_seqs, state_slots=st.state_slots, decode=True, xp=jnp)
+            logits, caches = self._forward(params, st.tokens, md, caches)
             tokens, logprobs = sample(logits, sampling.replace(counters=sampling.counters + i),
                                       self.config.max_logprobs, all_greedy)
             out_tokens = out_tokens.at[i].set(jnp.where(st.active, tokens, -1))
@@ -143,10 +141,10 @@ class ModelRunner:
                 active=st.active & ~stopped,
                 remaining=remaining,
             )
-            return i + 1, caches, st, out_tokens, out_logprobs, fault
+            return i + 1, caches, st, out_tokens, out_logprobs
 
         def keep_going(this_loop_runs, carry):
-            i, _, st, _, _, _ = carry
+            i, _, st, _, _ = carry
             return this_loop_runs & (i < num_steps) & jnp.any(st.active)
 
         # Temperatures do not change within a call, so an all-greedy batch is told apart once, and
@@ -155,12 +153,12 @@ class ModelRunner:
         # in a row, of which only one iterates, rather than a cond around them: a cond's operands
         # (the caches) would be copied.
         all_greedy = jnp.all(sampling.temperature <= 0)  # padding rows are greedy
-        carry = (jnp.int32(0), caches, state, out_tokens, out_logprobs, jnp.zeros((), bool))
+        carry = (jnp.int32(0), caches, state, out_tokens, out_logprobs)
         for greedy_loop in (True, False):
             carry = jax.lax.while_loop(functools.partial(keep_going, all_greedy == greedy_loop),
                                        functools.partial(step, greedy_loop), carry)
-        _, caches, _, out_tokens, out_logprobs, fault = carry
-        return caches, out_tokens, out_logprobs, fault
+        _, caches, _, out_tokens, out_logprobs = carry
+        return caches, out_tokens, out_logprobs
 
     # ---- host-side inputs ----------------------------------------------------------------------
 
@@ -180,7 +178,7 @@ class ModelRunner:
                 state_slots[row] = r.slot
             offset += n
         md = build_metadata(num_computed, num_new, block_tables, page_size=self.layout.page_size, num_tokens=t,
-                            state_slots=state_slots, kernel_context=KernelContext(self._take_call_ids(1)))
+                            state_slots=state_slots)
         return token_ids, md, _sampling_rows([r for r, _ in items], s)
 
     def decode_inputs(self, key: CompileKey, requests: list[Request]):
@@ -202,18 +200,11 @@ class ModelRunner:
         if self.layout.num_slots:
             state_slots = np.full(s, -1, np.int32)
             state_slots[:len(requests)] = [r.slot for r in requests]
-        state = DecodeState(tokens, positions, block_tables, active, remaining, stop_ids,
-                            self._take_call_ids(self.config.decode_steps), state_slots)
+        state = DecodeState(tokens, positions, block_tables, active, remaining, stop_ids, state_slots)
         return state, _sampling_rows(requests, s)
 
-    def _take_call_ids(self, count: int) -> np.ndarray:
-        """The first of ``count`` consecutive call ids for the call being built (int32; they wrap at
-        ``CALL_ID_PERIOD``, as the device loop's do)."""
-        first = np.int32(self.next_call_id)
-        self.next_call_id = (self.next_call_id + count) % CALL_ID_PERIOD
-        return first
-
-    def _example_inputs(self, key: CompileKey):
+    def example_inputs(self, key: CompileKey):
+        """Inputs of ``key``'s shapes for no request (what a program is traced against)."""
         return self.mixed_inputs(key, []) if key.kind == MIXED else self.decode_inputs(key, [])
 
     # ---- compilation and calls -----------------------------------------------------------------
@@ -226,10 +217,10 @@ class ModelRunner:
     def abstract_args(self, key: CompileKey) -> tuple:
         """``(params, caches, *inputs)`` of the program of ``key``, as sharded ``ShapeDtypeStruct``s
         (built on the host: nothing is traced)."""
-        mesh = self.model.mesh
-        inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated(mesh)),
-                              self._example_inputs(key))
-        return (self.abstract_params(), self.layout.abstract(mesh), *inputs)
+        plan = self.model.plan
+        inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=plan.replicated_sharding()),
+                              self.example_inputs(key))
+        return (self.abstract_params(), self.layout.abstract(plan), *inputs)
 
     def traced_program(self, kind: str):
         """The jitted program of ``kind`` (``MIXED`` / ``DECODE``), to lower or export. Trace it
@@ -239,38 +230,30 @@ class ModelRunner:
     def lower(self, key: CompileKey) -> jax.stages.Lowered:
         """Trace and lower the program of ``key`` against abstract, sharded inputs."""
         args = self.abstract_args(key)
-        self._fault_sources = ()
         with kernel_registry.applied(self.kernel_selection), kernel_registry.recording() as chosen:
             lowered = self._programs[key.kind].lower(*args)
         if key not in self.kernel_choices:  # a key lowered again reuses its trace: nothing is recorded then
             self.kernel_choices[key] = {op: sorted(names) for op, names in sorted(chosen.items())}
-            self._fault_reporters[key] = self._fault_sources
         return lowered
 
     def add_executable(self, key: CompileKey, executable: jax.stages.Compiled) -> None:
         self._executables[key] = executable
 
-    def install(self, key: CompileKey, executable, kernel_choices: dict[str, list[str]],
-                fault_reporters: tuple[str, ...]) -> None:
-        """Serve ``key`` with a program made elsewhere (an export), with what its trace recorded."""
+    def install(self, key: CompileKey, executable, kernel_choices: dict[str, list[str]]) -> None:
+        """Serve ``key`` with a program made elsewhere (an export), with the kernels its trace chose."""
         self._executables[key] = executable
         self.kernel_choices[key] = {op: list(names) for op, names in kernel_choices.items()}
-        self._fault_reporters[key] = tuple(fault_reporters)
-
-    def fault_reporters(self, key: CompileKey) -> tuple[str, ...]:
-        """The kernels of ``key``'s program that may report a fault (recorded when it was traced)."""
-        return self._fault_reporters.get(key, ())
 
     # ---- the caches ----------------------------------------------------------------------------
 
     def _zero_caches(self):
-        abstract = self.layout.abstract(self.model.mesh)
+        abstract = self.layout.abstract(self.model.plan)
         return [{name: jnp.zeros(s.shape, s.dtype) for name, s in layer.items()} for layer in abstract]
 
     def allocator_program(self):
         """The jitted program that makes the zero-filled caches (zeros, so stale or unused pages and
         slots never hold NaNs) on the devices, in their shardings."""
-        shardings = [{name: s.sharding for name, s in layer.items()} for layer in self.layout.abstract(self.model.mesh)]
+        shardings = [{name: s.sharding for name, s in layer.items()} for layer in self.layout.abstract(self.model.plan)]
         return jax.jit(self._zero_caches, out_shardings=shardings)
 
     def lower_allocator(self) -> jax.stages.Lowered:
@@ -286,6 +269,8 @@ class ModelRunner:
     def allocate_caches(self) -> None:
         """Make the caches with the allocating program (compiled here, or through the persistent
         compilation cache, the first time unless one was installed)."""
+        if self.leader is not None:
+            self.leader.send(multihost.ALLOCATE)
         if self._allocator is None:
             if self.strict:
                 raise CompilationAfterWarmupError("strict mode: the cache allocation was not compiled at warm-up")
@@ -307,21 +292,20 @@ class ModelRunner:
     def compiled_keys(self) -> list[CompileKey]:
         return sorted(self._executables)
 
-    def _call(self, key: CompileKey, inputs):
+    def call(self, key: CompileKey, inputs):
+        """Run ``key``'s program on ``inputs`` (host arrays) and the caches -> its outputs as numpy."""
+        if self.leader is not None:
+            self.leader.send(multihost.PROGRAM, key, inputs)
         executable = self._executables.get(key)
         if executable is None:
             if self.strict:
                 raise CompilationAfterWarmupError(f"strict mode: {key} is not in the warm-up grid")
             self.compile(key)
             executable = self._executables[key]
-        inputs = jax.device_put(inputs, replicated(self.model.mesh))
+        inputs = jax.device_put(inputs, self.model.plan.replicated_sharding())
         self._call_in_flight = True
-        self.caches, *outputs, fault = executable(self.model.params, self.caches, *inputs)
+        self.caches, *outputs = executable(self.model.params, self.caches, *inputs)
         self._call_in_flight = False
-        if bool(fault):
-            reporters = ", ".join(self._fault_reporters.get(key, ())) or "a kernel"
-            raise KernelFaultError(f"{reporters} reported a fault in {key} (a persistent kernel's wait gave up: "
-                                   "are other processes using this GPU?); the step's results were discarded")
         return jax.device_get(outputs)
 
     def recover_caches(self) -> bool:
@@ -339,9 +323,9 @@ class ModelRunner:
     def run_mixed(self, key: CompileKey, items: list[tuple[Request, int]]):
         """-> (tokens [S], ``NONFINITE_TOKEN`` where a row's logits were not finite; logprobs or None)
         as numpy."""
-        return self._call(key, self.mixed_inputs(key, items))
+        return self.call(key, self.mixed_inputs(key, items))
 
     def run_decode(self, key: CompileKey, requests: list[Request]):
         """-> (tokens [steps, S] with -1 after a sequence stopped, ``NONFINITE_TOKEN`` where its logits
         were not finite, logprobs buffers) as numpy."""
-        return self._call(key, self.decode_inputs(key, requests))
+        return self.call(key, self.decode_inputs(key, requests))

@@ -16,11 +16,16 @@ def rms_norm(x, weight, eps: float, *, unit_offset: bool = False, float32_weight
     """
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return apply_norm_weight(x32, weight, x.dtype, unit_offset=unit_offset, float32_weight=float32_weight)
+
+
+def apply_norm_weight(normed, weight, dtype, *, unit_offset: bool = False, float32_weight: bool = False):
+    """``rms_norm``'s last step: the float32 normalised rows times the weight, as HF rounds it, in ``dtype``."""
     if unit_offset:
-        return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+        return (normed * (1.0 + weight.astype(jnp.float32))).astype(dtype)
     if float32_weight:
-        return (weight.astype(jnp.float32) * x32).astype(x.dtype)
-    return weight * x32.astype(x.dtype)
+        return (weight.astype(jnp.float32) * normed).astype(dtype)
+    return weight * normed.astype(dtype)
 
 
 def rotate_half(x):

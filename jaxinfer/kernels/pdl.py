@@ -14,10 +14,6 @@ still waits at its entry before it loads anything. Every family triggers at its 
 made the decode step faster, and leaving it out of single families made no measurable difference
 (docs/performance.md, "Launch triggers (PDL)").
 
-The Mosaic GPU MoE block kernel (family ``moe_block``) emits the same instruction itself where
-``triggers_at_start``; there it measured even, and is kept so that every kernel of the step behaves
-alike.
-
 A trigger is not a memory fence and changes no value: the next kernel's wait still orders its reads
 after this kernel's writes. Without PDL (another GPU, XLA's PDL off) the instruction does nothing;
 under the interpreter (and so on CPU) nothing is emitted. ``trigger_points({...})`` sets the point
@@ -41,7 +37,7 @@ POINTS = ("start", "none")  # "none": the next kernel launches as the last progr
 
 # The kernel families that trigger, each at its point.
 DEFAULT_POINTS = {family: "start" for family in ("projection", "rms_norm", "decode_attention", "decode_combine",
-                                                 "moe_route", "moe_gate_up", "moe_down", "moe_block")}
+                                                 "moe_route", "moe_gate_up", "moe_down")}
 
 _points = dict(DEFAULT_POINTS)
 
@@ -92,13 +88,6 @@ def with_trigger(kernel, family: str, *, interpret: bool = False):
     return triggered
 
 
-def triggers_at_start(family: str) -> bool:
-    """Whether kernels of ``family`` traced now trigger first thing (for kernels that emit the
-    instruction themselves, as the Mosaic GPU ones do)."""
-    _check_family(family)
-    return _points[family] == "start"
-
-
 def check_points(points: dict[str, str]) -> None:
     """A specific error for an unknown family or point in ``points`` (family -> point)."""
     for family, point in points.items():
@@ -124,5 +113,5 @@ def trigger_points(points: dict[str, str]):
         jax.clear_caches()
 
 
-__all__ = ["DEFAULT_POINTS", "POINTS", "check_points", "launch_dependents_p", "trigger_points", "triggers_at_start",
+__all__ = ["DEFAULT_POINTS", "POINTS", "check_points", "launch_dependents_p", "trigger_points",
            "with_trigger"]

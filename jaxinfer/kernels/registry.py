@@ -85,11 +85,6 @@ def _local_target() -> Target:
     return Target.of_device()
 
 
-def local_sms() -> int:
-    """The SMs of this process's first device (``Target.sms``), for kernels that size their grids."""
-    return _local_target().sms
-
-
 _target: contextvars.ContextVar[Target | None] = contextvars.ContextVar("kernel_target", default=None)
 _forced: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar("forced_kernels", default={})
 _variants: contextvars.ContextVar[Mapping[str, "Implementation"]] = contextvars.ContextVar("kernel_variants",
@@ -99,6 +94,12 @@ _recorders: contextvars.ContextVar[tuple[dict, ...]] = contextvars.ContextVar("k
 
 def current_target() -> Target:
     return _target.get() or _local_target()
+
+
+def target_sms() -> int:
+    """The SMs of the target kernels are being chosen for (``Target.sms``), for kernels that size
+    their grids."""
+    return current_target().sms
 
 
 def target_for(mesh: jax.sharding.Mesh) -> Target:

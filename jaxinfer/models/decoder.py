@@ -19,7 +19,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jaxinfer.cache.metadata import AttentionMetadata
+from jaxinfer.cache.metadata import StepMetadata
 from jaxinfer.cache.specs import CacheSpec
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.base import CausalLM
@@ -29,6 +29,8 @@ from jaxinfer.models.layers.linear import Embedding, Linear
 from jaxinfer.models.layers.mlp import GatedMLP
 from jaxinfer.models.layers.moe import MoESpec, SparseMoE
 from jaxinfer.models.layers.norm import NormWeight, PreNorm, RMSNorm
+from jaxinfer.sharding import local
+from jaxinfer.sharding.plan import VOCAB
 
 @dataclasses.dataclass(frozen=True)
 class DenseMLP:
@@ -165,15 +167,8 @@ class DecoderLayer(nn.Module):
             out, residual = self._dense_mlp(attn_out, self._pre_norm("post_attention_layernorm", residual,
                                                                      x.shape[-1]))
             return out, residual, cache
-        moe = SparseMoE(spec.ffn, c.hidden_act, self.param_dtype, name=spec.ffn_name)
-        if spec.ffn.is_plain_block and self.norm == NormStyle():
-            # The add, the norm and the block as one op (one kernel on the GPU where it fits); the
-            # kernel context goes with it, unread here.
-            weight = NormWeight(x.shape[-1], self.param_dtype, name="post_attention_layernorm")()
-            out, residual = moe(attn_out, block=(residual, weight, c.rms_norm_eps, md.kernel_context))
-            return out, residual, cache
         h, residual = self._rms_norm("post_attention_layernorm")(attn_out, residual)
-        return moe(h), residual, cache
+        return SparseMoE(spec.ffn, c.hidden_act, self.param_dtype, name=spec.ffn_name)(h), residual, cache
 
     def _sandwich(self, mixer, x, residual, cache, md, rotary):
         if residual is not None:  # the previous layer handed its stream over unsummed
@@ -211,7 +206,7 @@ class DecoderModel(nn.Module):
     param_dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, token_ids, md: AttentionMetadata, caches):
+    def __call__(self, token_ids, md: StepMetadata, caches):
         c = self.config
         embed = Embedding(c.vocab_size, c.hidden_size, self.param_dtype, name="embed_tokens")
         x = embed(token_ids)
@@ -276,7 +271,7 @@ class DecoderForCausalLM(CausalLM):
         return cls.ignored_checkpoint_keys + tied
 
     @nn.compact
-    def __call__(self, token_ids, md: AttentionMetadata, caches, *, all_logits: bool = False):
+    def __call__(self, token_ids, md: StepMetadata, caches, *, all_logits: bool = False):
         """Returns float32 logits for ``md.logits_indices`` (or every token with ``all_logits``)."""
         c = self.config
         spec = type(self).spec(c)
@@ -285,8 +280,8 @@ class DecoderForCausalLM(CausalLM):
             x = x[md.logits_indices]
         if c.tie_word_embeddings:
             logits = embed.attend(x)
-        else:
-            logits = Linear(c.vocab_size, False, self.dtype, name="lm_head")(x)
+        else:  # vocabulary-parallel: each device's block of logits, then all of them on every device
+            logits = local.gather(Linear(c.vocab_size, False, self.dtype, (VOCAB, None), name="lm_head")(x), VOCAB)
         cap = spec.final_logit_softcap
         if cap:
             logits = jnp.tanh(logits / cap) * cap  # in the logits' dtype, as HF

@@ -11,10 +11,13 @@ The families differ in the DeltaNet's projection layout (Qwen3-Next groups them 
 Qwen3.5 keeps them flat) and in which layers are sparse: Qwen3-Next as Qwen3-MoE
 (``decoder_sparse_step``, ``mlp_only_layers``), Qwen3.5 none, Qwen3.5-MoE all (always renormalised).
 Checkpoints of the multimodal wrappers (``model.language_model.*``) load too; their vision towers are
-skipped.
+skipped. The DeltaNet's conv weight and Qwen3.5's ``in_proj_qkv`` are re-laid out on load into the
+channel order grouped per key head that tensor parallelism splits (``gated_deltanet``).
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.decoder import DecoderForCausalLM, DecoderSpec, DenseMLP, LayerSpec, NormStyle
@@ -22,8 +25,42 @@ from jaxinfer.models.layers.attention import GQA
 from jaxinfer.models.layers.gated_deltanet import GatedDeltaNet
 from jaxinfer.models.layers.moe import MoESpec
 from jaxinfer.models.moe_checkpoints import check_expert_count, per_expert_sources
+from jaxinfer.weights import FLOAT_DTYPES, Derived
 
 LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+class RowsInOrder:
+    """A parameter whose rows are a checkpoint tensor's rows in another order (``rows[i]``: the
+    stored row of parameter row ``i``). A device reads only the rows of its slice, in as many
+    contiguous runs as they make in the stored order."""
+
+    dtypes = FLOAT_DTYPES
+
+    def __init__(self, name: str, rows: np.ndarray):
+        self.names, self.rows = (name,), rows
+
+    def shape(self, checkpoint) -> tuple[int, ...]:
+        return checkpoint.shape(self.names[0])
+
+    def read(self, checkpoint, index) -> np.ndarray:
+        index = tuple(index) if index is not None else ()
+        index += (slice(None),) * (len(self.shape(checkpoint)) - len(index))
+        wanted = self.rows[index[0]]
+        stored = np.unique(wanted)
+        runs = np.split(stored, np.flatnonzero(np.diff(stored) != 1) + 1)
+        block = np.concatenate([checkpoint.read(self.names[0], (slice(int(run[0]), int(run[-1]) + 1), *index[1:]))
+                                for run in runs])
+        return block[np.searchsorted(stored, wanted)]
+
+
+def _grouped_conv_source(name: str, order: np.ndarray, num_key_heads: int) -> Derived:
+    """The conv weight ``[C, 1, K]`` (channels ``[Q_all | K_all | V_all]``) as ``[Hk, C / Hk, K]``,
+    its channels grouped per key head (``order``: ``grouped_channels``)."""
+    def shape(stored):  # the stored shape where it is not the one expected, so the check names it
+        fits = len(stored) == 3 and tuple(stored[:2]) == (len(order), 1)
+        return (num_key_heads, stored[0] // num_key_heads, stored[2]) if fits else stored
+    return Derived([name], lambda w: w[order, 0, :].reshape(num_key_heads, -1, w.shape[2]), shape)
 
 
 def hybrid_layer_types(config: ModelConfig) -> tuple[str, ...]:
@@ -83,9 +120,38 @@ class Qwen3NextForCausalLM(DecoderForCausalLM):
             check_expert_count(checkpoint, "num_experts", cls.num_experts(config), skipped)
 
     @classmethod
+    def _relaid_out(cls, path: tuple[str, ...]) -> bool:
+        """Whether the parameter at ``path`` is re-laid out on load: a DeltaNet's conv weight, or its
+        flat ``in_proj_qkv``."""
+        return len(path) >= 3 and path[-3] == "linear_attn" and path[-2] in ("conv1d", "in_proj_qkv")
+
+    @classmethod
     def checkpoint_sources(cls, config: ModelConfig, expected: dict, available: set[str]) -> dict:
-        return per_expert_sources(cls, expected, {"gate_proj": "gate_proj", "up_proj": "up_proj",
-                                                  "down_proj": "down_proj"})
+        sources = per_expert_sources(cls, expected, {"gate_proj": "gate_proj", "up_proj": "up_proj",
+                                                     "down_proj": "down_proj"})
+        relaid = [path for path in expected if cls._relaid_out(path)]
+        if relaid:
+            deltanet = GatedDeltaNet(cls.deltanet_layout)
+            order, num_key_heads = deltanet.channel_order(config), deltanet.sizes(config)["num_key_heads"]
+            for path in relaid:
+                name = cls.path_to_checkpoint_name(path)
+                sources[path] = (_grouped_conv_source(name, order, num_key_heads) if path[-2] == "conv1d"
+                                 else RowsInOrder(name, order))
+        return sources
+
+    @classmethod
+    def checkpoint_tensors(cls, config: ModelConfig, params: dict) -> dict:
+        """The re-laid-out parameters back in the checkpoint's channel order ``[Q_all | K_all |
+        V_all]``; the others as ``checkpoint_sources`` names them."""
+        relaid = {path: value for path, value in params.items() if cls._relaid_out(path)}
+        tensors = super().checkpoint_tensors(config, {p: v for p, v in params.items() if p not in relaid})
+        if relaid:
+            stored_order = np.argsort(GatedDeltaNet(cls.deltanet_layout).channel_order(config))
+            for path, value in relaid.items():
+                if path[-2] == "conv1d":  # [Hk, C / Hk, K] -> [C, 1, K]
+                    value = value.reshape(-1, value.shape[-1])[:, None, :]
+                tensors[cls.path_to_checkpoint_name(path)] = value[stored_order]
+        return tensors
 
 
 class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):

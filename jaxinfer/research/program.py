@@ -8,7 +8,8 @@ bucket shape. Its outputs (float captures in float32):
 * ``hidden_states [L + 1, T, hidden]``: the layers' input, layers 0..L-2's outputs, the final norm's
   output (HF's ``output_hidden_states``: the last layer's own output is replaced by the normed one);
 * ``"<capture>/<layer>"`` for per-layer captures, as the layer recorded them (``capture.py``);
-* ``"recurrent_states/<layer>/<array>"``: a state-slot array of the final caches, ``[S, ...]``.
+* ``"recurrent_states/<layer>/<array>"``: a state-slot array of the final caches, ``[S, ...]``, in HF's
+  layout (a mixer whose cache keeps another says how to convert: ``states_as_hf``).
 
 Only what is returned is computed: XLA drops the records of layers that were not asked for. The
 implementations the ops took are kept per bucket when a program is traced (``Program.served``), so a
@@ -56,6 +57,13 @@ def _hidden_states(records):
     return jnp.stack([_as_float32(x) for x in (embeddings, *outputs[:-1], final)])
 
 
+def _hf_states(mixer, config, specs, cache: dict) -> dict:
+    """A layer's state-slot arrays of ``cache``, in HF's layout where its mixer keeps another."""
+    states = {array: cache[array] for spec in specs if isinstance(spec, StateSlots) for array, *_ in spec.states}
+    as_hf = getattr(mixer, "states_as_hf", None)
+    return as_hf(config, states) if as_hf is not None else states
+
+
 @dataclasses.dataclass(frozen=True)
 class Program:
     """A research forward: ``jitted(params, token_ids [T], num_new [S], block_tables [S, P],
@@ -81,8 +89,10 @@ def _bucket(token_ids, block_tables) -> tuple[int, int, int]:
 def make_program(loaded, chosen: kernel_registry.Selection, request: CaptureRequest, *, logits: bool = True,
                  logprobs: bool = False) -> Program:
     """The research ``Program`` of ``loaded`` (a ``LoadedModel``) for ``request``."""
-    model, config, dtype = loaded.model, loaded.config, loaded.dtype
-    layer_specs = loaded.model_cls.cache_specs(config)
+    model, dtype = loaded.model, loaded.dtype
+    layer_specs = loaded.model_cls.cache_specs(loaded.config)
+    mixers = ([layer.mixer for layer in loaded.model_cls.spec(loaded.config).layers]
+              if request.layers_of("recurrent_states") else [])
     collections = list(request.collections)
     served = {}
 
@@ -91,11 +101,17 @@ def make_program(loaded, chosen: kernel_registry.Selection, request: CaptureRequ
         layout = CacheLayout(layer_specs, PAGE_SIZE, num_seqs * pages_per_seq, dtype, num_slots=num_seqs)
         md = build_metadata(jnp.zeros_like(num_new), num_new, block_tables, page_size=PAGE_SIZE,
                             num_tokens=token_ids.shape[0], state_slots=state_slots, xp=jnp)
-        with kernel_registry.applied(chosen), kernel_registry.recording() as ops:
-            result = model.apply({"params": params}, token_ids, md, layout.zeros(), all_logits=True,
+        def forward(params, token_ids, md, caches):
+            result = model.apply({"params": params}, token_ids, md, caches, all_logits=True,
                                  mutable=collections or False)
+            (out_logits, caches), variables = result if collections else (result, {})
+            return (out_logits, variables), caches
+
+        cache_specs = layout.partition_specs(loaded.plan)
+        with kernel_registry.applied(chosen), kernel_registry.recording() as ops:
+            (out_logits, variables), caches = loaded.per_device(forward, cache_specs)(
+                params, token_ids, md, layout.zeros())
         served[_bucket(token_ids, block_tables)] = ops
-        (out_logits, caches), variables = result if collections else (result, {})
         records = _records(variables)
         out = {}
         if logits:
@@ -110,10 +126,9 @@ def make_program(loaded, chosen: kernel_registry.Selection, request: CaptureRequ
             _, collection, recorded_name = CAPTURES[name]
             for layer in layers:
                 if collection is None:  # recurrent states: the layer's state-slot arrays after the forward
-                    for spec in layer_specs[layer]:
-                        if isinstance(spec, StateSlots):
-                            for array, _, _ in spec.states:
-                                out[f"{name}/{layer}/{array}"] = _as_float32(caches[layer][array])
+                    for array, value in _hf_states(mixers[layer], loaded.config, layer_specs[layer],
+                                                   caches[layer]).items():
+                        out[f"{name}/{layer}/{array}"] = _as_float32(value)
                     continue
                 key = (collection, layer, recorded_name)
                 if key not in records:

@@ -1,5 +1,6 @@
-"""Meshes and the partitioning of parameters over them."""
+"""Sharding: the logical axes layers declare, the rule table mapping them to a mesh (``plan``), the
+local view layers compute in (``local``), and the per-device forward (``forward``)."""
 
-from jaxinfer.sharding.mesh import make_mesh, param_sharding, replicated
+from jaxinfer.sharding.plan import ShardingPlan, make_mesh
 
-__all__ = ["make_mesh", "param_sharding", "replicated"]
+__all__ = ["ShardingPlan", "make_mesh"]

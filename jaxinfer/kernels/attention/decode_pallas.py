@@ -44,12 +44,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.kernels import pdl
+from jaxinfer.kernels import pdl, registry
 from jaxinfer.kernels.attention import reference, rotary_pallas
 
 _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
-_SMS = 132  # H100/H200
-_TARGET_PROGRAMS = 4 * _SMS  # a few waves of programs
+_WAVES = 4  # programs per SM to aim for: a few waves
 _COMBINE_ELEMENTS = 16384  # partial-output elements one combine program (one head) holds in registers
 
 
@@ -295,20 +294,21 @@ def _combine_jnp(o, m, l, sinks):
 
 
 def default_blocking(num_seqs: int, num_kv_heads: int, pages_per_seq: int, page_size: int, head_dim: int,
-                     itemsize: int):
+                     itemsize: int, sms: int | None = None):
     """(block_tokens, num_splits): K blocks of ~32 KiB for few sequences, ~16 KiB for many
     (16..128 tokens), halved (down to 64 tokens) while there are fewer blocks than SMs; enough splits
-    to fill the GPU. Chosen by sweeps and A/Bs on the H200: docs/performance.md, "Paged decode
-    attention kernel".
+    to fill the GPU (``sms``: the target's SMs, by default). Chosen by sweeps and A/Bs on the H200:
+    docs/performance.md, "Paged decode attention kernel".
     """
+    sms = sms or registry.target_sms()
     pairs = num_seqs * num_kv_heads
-    block_bytes = 32768 if pairs < _SMS else 16384  # fewer (sequence, head) pairs than SMs
+    block_bytes = 32768 if pairs < sms else 16384  # fewer (sequence, head) pairs than SMs
     block_tokens = min(128, max(16, _next_pow2(block_bytes // (head_dim * itemsize) + 1) // 2))
     block_tokens = min(block_tokens, _next_pow2(pages_per_seq * page_size))
     num_blocks = lambda tokens: max(1, -(-pages_per_seq * page_size // tokens))  # noqa: E731
-    while block_tokens > 64 and pairs * num_blocks(block_tokens) < _SMS:
+    while block_tokens > 64 and pairs * num_blocks(block_tokens) < sms:
         block_tokens //= 2
-    wanted = _next_pow2(-(-_TARGET_PROGRAMS // pairs))
+    wanted = _next_pow2(-(-_WAVES * sms // pairs))
     return block_tokens, min(num_blocks(block_tokens), wanted)
 
 

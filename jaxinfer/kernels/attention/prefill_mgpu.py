@@ -343,7 +343,7 @@ def ragged_paged_attention(q, k_cache, v_cache, positions, token_seq_ids, block_
     meta = block_schedule(positions, token_seq_ids, seq_lens, page_size=page_size, pages_per_seq=pages_per_seq)
     num_blocks = meta.shape[0]
     if heads_per_program is None:
-        num_sms = registry.local_sms()
+        num_sms = registry.target_sms()
         heads_per_program = default_heads_per_program(num_blocks * num_heads, num_heads, num_sms)
     if heads_per_program < 1 or num_heads % heads_per_program:
         raise ValueError(f"heads_per_program={heads_per_program} does not divide the {num_heads} query heads")

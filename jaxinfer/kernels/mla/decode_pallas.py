@@ -64,7 +64,7 @@ _TUNING = ("block_heads", "block_keys", "num_splits", "num_warps", "num_stages")
 
 def _target_programs() -> int:
     """Two waves of programs over the GPU's SMs (one program per SM: its shared memory)."""
-    return 2 * registry.local_sms()
+    return 2 * registry.target_sms()
 
 
 def max_splits(latent_dim: int) -> int:

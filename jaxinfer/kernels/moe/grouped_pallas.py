@@ -26,6 +26,10 @@ every row by its routing weight (gathered by the row's (token, slot) index, roun
 **Combine** (jnp): each (token, slot) gathers its padded row; the ``k`` slots are summed in float32.
 Only real rows are ever read, so padding rows and unused blocks (never written) cannot leak in.
 
+**Dropped pairs.** An expert id outside ``[0, E)`` (expert parallelism: another device's expert)
+takes no row and makes no block (``grouping.py``), so nothing is computed for it; its slot is a zero
+in the combine (selected, not multiplied: an unwritten row cannot leak in).
+
 The grid's first (fastest) axis is the output-column block: the programs running together share one
 row block (its ``x`` rows / hidden rows are read from HBM once and then hit L2) and consecutive row
 blocks of one expert reuse that expert's weight tiles from L2.
@@ -249,13 +253,14 @@ def moe_mlp(x, expert_ids, expert_weights, gate, up, down, *, gate_bias=None, up
 
     Same semantics as ``reference.moe_mlp`` (routing weights rounded to x's dtype): weights in
     nn.Linear layout, ``gate``/``up`` [E, I, H], ``down`` [E, H, I], optional biases [E, I], [E, I],
-    [E, H]; expert ids must lie in ``[0, E)``.
+    [E, H]; expert ids outside ``[0, E)`` are dropped (add nothing).
     Tuning (``None``: ``default_block_sizes``): ``block_m`` rows per row block, ``block_n`` output
     columns and ``block_k`` reduction step per program, Triton ``num_warps``/``num_stages``; a given
     value applies to both kernels; ``gate_up_tuning`` / ``down_tuning`` (``KernelTuning``) set one kernel
     and win over those. Block sizes are powers of two >= 16; ``H`` and ``I`` are arbitrary.
-    ``distinct_experts`` promises that each token's ``k`` ids differ (top-k routing): then no expert
-    has more than ``T`` rows, and decode-sized calls group their rows without a sort.
+    ``distinct_experts`` promises that each token's kept ids differ (top-k routing; dropped ids may
+    repeat): then no expert has more than ``T`` rows, and decode-sized calls group their rows without a
+    sort.
     """
     if activation not in ("silu", "gpt_oss"):
         raise ValueError(f"unknown MoE activation {activation!r}")
@@ -290,7 +295,7 @@ def moe_mlp(x, expert_ids, expert_weights, gate, up, down, *, gate_bias=None, up
     gu, dn = launch["gate_up"], launch["down"]
 
     if num_tokens == 1:  # one token's k experts are distinct: slot j is row block j, no grouping to do
-        grouping = group_one_token(expert_ids, block_m)
+        grouping = group_one_token(expert_ids, block_m, num_experts)
     elif num_pairs <= DECODE_ROWS and (num_pairs <= block_m or (distinct_experts and num_tokens <= block_m)):
         # No expert has more rows than one block: at most T of them with distinct ids.
         grouping = group_few_by_expert(expert_ids, num_experts, block_m)
@@ -361,8 +366,10 @@ def moe_mlp(x, expert_ids, expert_weights, gate, up, down, *, gate_bias=None, up
         name=f"moe_down_{block_m=}_block_n={dn['block_n']}_block_k={dn['block_k']}",
     )(*inputs)
 
-    # Combine: every (token, slot) reads its row (real rows only), the k slots summed in float32.
-    out = out[grouping.pair_row]
+    # Combine: every (token, slot) reads its row (real rows only; a dropped pair is a zero), the k
+    # slots summed in float32.
+    pair_row = grouping.pair_row
+    out = jnp.where((pair_row >= 0)[:, None], out[jnp.maximum(pair_row, 0)], 0)
     if hidden_pad != hidden:
         out = out[:, :hidden]
     return out.reshape(num_tokens, top_k, hidden).astype(jnp.float32).sum(axis=1).astype(x.dtype)

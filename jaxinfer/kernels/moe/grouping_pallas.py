@@ -1,7 +1,8 @@
 """Prefill grouping of (token, slot) pairs by expert in two Pallas launches (Triton lowering).
 
 Same result as ``grouping.group_by_expert`` (the jnp form, a stable sort): pairs in stable
-expert order, each expert's group padded to whole ``block_m`` row blocks. The jnp form is a radix
+expert order, each expert's group padded to whole ``block_m`` row blocks, dropped pairs (ids outside
+``[0, E)``, made -1 first) in none. The jnp form is a radix
 sort plus 14 small XLA kernels; these two launches take a fraction of their time (docs/performance.md,
 "MoE prefill grouping kernels"). The pairs are cut into chunks of ``chunk`` consecutive pairs and:
 
@@ -11,7 +12,9 @@ sort plus 14 small XLA kernels; these two launches take a fraction of their time
    and of the chunks before its own, turns the loads into block offsets (a cumulative sum over
    experts), and places its pairs: padded row = the expert's first row + the expert's pairs in
    earlier chunks + its pairs earlier in this chunk (a cumulative sum of the one-hot rows). That is
-   the stable order. It scatters each pair into its row and writes each block's expert.
+   the stable order. It scatters each pair into its row and writes each block's expert. Dropped
+   pairs match no expert: their ``pair_row`` is -1 and their scatter lanes write a spare row past
+   the padded rows, cut off at the end.
 
 Every tensor a program holds is a power-of-two tile of at most ``_TILE_ELEMENTS`` elements; experts
 are padded to a power of two inside the kernels (their counts are 0). Each place program reads the
@@ -30,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.kernels.moe.grouping import Grouping, num_row_blocks
+from jaxinfer.kernels.moe.grouping import Grouping, kept_ids, num_row_blocks
 
 _TILE_ELEMENTS = 16384  # elements per [rows, experts] tile: 128 per thread at 4 warps
 _FILL = 1024  # padded rows one loop step of the count kernel marks -1
@@ -55,8 +58,8 @@ def _count_kernel(ids_ref, counts_ref, row_pair_ref, *, chunk: int, experts_pad:
     expert = lax.broadcasted_iota(jnp.int32, (chunk, experts_pad), 1)
     counts_ref[...] = jnp.sum((ids[:, None] == expert).astype(jnp.int32), axis=0)
 
-    # Mark this program's share of the padded rows as padding (-1); the place kernel overwrites the
-    # real ones. Pieces c, c + C, c + 2C, ... of _FILL rows.
+    # Mark this program's share of the padded rows (and the spare row) as padding (-1); the place
+    # kernel overwrites the real ones. Pieces c, c + C, c + 2C, ... of _FILL rows.
     num_rows = row_pair_ref.shape[0]
     pieces = -(-num_rows // _FILL)
 
@@ -94,19 +97,19 @@ def _place_kernel(ids_ref, counts_ref, row_pair_in_ref, pair_row_ref, row_pair_r
     # This chunk's pairs: padded row = expert's first row + its pairs in earlier chunks + its pairs
     # earlier in this chunk.
     pair = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
-    real = pair < num_pairs
-    ids = plgpu.load(ids_ref.at[pl.ds(c * chunk, chunk)], mask=real, other=-1)
+    in_range = pair < num_pairs
+    ids = plgpu.load(ids_ref.at[pl.ds(c * chunk, chunk)], mask=in_range, other=-1)
+    kept = ids >= 0
     one_hot = ids[:, None] == lax.broadcasted_iota(jnp.int32, (chunk, experts_pad), 1)
     earlier_in_chunk = jnp.cumsum(one_hot.astype(jnp.int32), axis=0) - 1  # at each pair's own expert
     start = (first_row + before)[None, :]
     dest = jnp.sum(jnp.where(one_hot, start + earlier_in_chunk, 0), axis=1)
-    plgpu.store(pair_row_ref.at[pl.ds(c * chunk, chunk)], dest, mask=real)
-    # The scatter, unmasked: lanes past the last pair repeat lane 0's store (the same value to the same
-    # row), which is harmless on the GPU and in interpret mode alike (a masked scatter there writes the
-    # old value back, racing the real store when indices repeat).
-    first = jnp.arange(chunk, dtype=jnp.int32) == 0
-    dest = jnp.where(real, dest, jnp.sum(jnp.where(first, dest, 0)))
-    plgpu.store(row_pair_ref.at[dest], jnp.where(real, pair, c * chunk))
+    plgpu.store(pair_row_ref.at[pl.ds(c * chunk, chunk)], jnp.where(kept, dest, -1), mask=in_range)
+    # The scatter, unmasked: lanes past the last pair and dropped pairs write the spare last row
+    # (never read), which is harmless on the GPU and in interpret mode alike (a masked scatter there
+    # writes the old value back, racing the real store when indices repeat).
+    spare = row_pair_ref.shape[0] - 1
+    plgpu.store(row_pair_ref.at[jnp.where(kept, dest, spare)], jnp.where(kept, pair, -1))
 
     # Each row block's expert: the number of experts whose blocks end at or before it (-1 past the
     # last used block). Tiles c, c + C, ... of the blocks.
@@ -127,8 +130,8 @@ def _place_kernel(ids_ref, counts_ref, row_pair_in_ref, pair_row_ref, row_pair_r
 
 @functools.partial(jax.jit, static_argnames=("num_experts", "block_m", "interpret"))
 def group_by_expert(expert_ids, num_experts: int, block_m: int, *, interpret: bool = False) -> Grouping:
-    """``grouping.group_by_expert`` in two launches; expert ids must lie in ``[0, E)``."""
-    flat = expert_ids.reshape(-1).astype(jnp.int32)
+    """``grouping.group_by_expert`` in two launches (ids outside ``[0, E)`` dropped)."""
+    flat = kept_ids(expert_ids, num_experts)
     num_pairs = flat.shape[0]
     num_blocks = num_row_blocks(num_pairs, num_experts, block_m)
     experts_pad, chunk, num_chunks = _layout(num_pairs, num_experts)
@@ -139,9 +142,9 @@ def group_by_expert(expert_ids, num_experts: int, block_m: int, *, interpret: bo
         functools.partial(_count_kernel, **statics),
         grid=(num_chunks,),
         in_specs=[whole((num_pairs,))],
-        out_specs=[pl.BlockSpec((None, experts_pad), lambda c: (c, 0)), whole((num_blocks * block_m,))],
+        out_specs=[pl.BlockSpec((None, experts_pad), lambda c: (c, 0)), whole((num_blocks * block_m + 1,))],
         out_shape=[jax.ShapeDtypeStruct((num_chunks, experts_pad), jnp.int32),
-                   jax.ShapeDtypeStruct((num_blocks * block_m,), jnp.int32)],
+                   jax.ShapeDtypeStruct((num_blocks * block_m + 1,), jnp.int32)],  # + the spare row
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="moe_group_count",
@@ -158,7 +161,7 @@ def group_by_expert(expert_ids, num_experts: int, block_m: int, *, interpret: bo
         interpret=interpret,
         name="moe_group_place",
     )(flat, counts, row_pair)
-    return Grouping(row_pair, block_expert, pair_row)
+    return Grouping(row_pair[:-1], block_expert, pair_row)
 
 
 __all__ = ["group_by_expert"]

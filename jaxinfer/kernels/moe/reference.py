@@ -12,16 +12,15 @@
 
 Ties go to the lower expert index (``jax.lax.top_k``'s order).
 
-**The pre-norm block** (``moe_block``): the residual add and RMSNorm in front of the router, the
-router projection, the routing and the experts, as a decoder layer runs them one op after another
-(a GPU kernel may run a one-token block as one launch, ``block_mgpu``).
-
 **Expert MLP** (``moe_mlp``):
 
 Every token's ``k`` (token, expert) assignments are sorted by expert so that each expert's rows are
 contiguous, the expert MLPs run as grouped matmuls (``jax.lax.ragged_dot``), and the weighted rows
 are summed back per token. Weights use nn.Linear's ``[out, in]`` orientation per expert:
 ``gate``/``up`` ``[E, I, H]``, ``down`` ``[E, H, I]``; biases ``[E, I]`` / ``[E, H]`` are optional.
+
+An expert id outside ``[0, E)`` (``-1`` by convention) marks a *dropped* assignment: it belongs to no
+group and contributes exactly zero (expert parallelism: an expert another device holds).
 
 Activations: ``"silu"`` is SwiGLU, ``silu(gate) * up``. ``"gpt_oss"`` is GPT-OSS's clamped variant:
 ``gate = min(gate, limit)``, ``up = clip(up, -limit, limit)``, ``(up + 1) * gate * sigmoid(alpha * gate)``.
@@ -31,9 +30,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
-from jaxinfer.kernels.linear.reference import project
-from jaxinfer.kernels.norm.reference import add_rms_norm
 
 
 def gated_activation(gate, up, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0):
@@ -84,37 +80,32 @@ def moe_mlp(x, expert_ids, expert_weights, gate, up, down, *, gate_bias=None, up
     """x [T, H]; expert_ids [T, k] int; expert_weights [T, k] -> [T, H] in x's dtype.
 
     The routing weights (any float dtype) are rounded to x's dtype before they scale the expert
-    outputs, as HF casts them to the hidden states' dtype. ``distinct_experts`` (each token's k ids
-    differ, as top-k routing gives) is a promise kernels may use; the reference needs nothing from it.
+    outputs, as HF casts them to the hidden states' dtype. Ids outside ``[0, E)`` are dropped (they
+    add nothing). ``distinct_experts`` (each token's kept ids differ, as top-k routing gives) is a
+    promise kernels may use; the reference needs nothing from it.
     """
     num_tokens, top_k = expert_ids.shape
     num_experts = gate.shape[0]
-    flat_experts = expert_ids.reshape(-1)
+    flat = expert_ids.reshape(-1)
+    kept = (flat >= 0) & (flat < num_experts)
+    flat_experts = jnp.where(kept, flat, num_experts)  # dropped pairs sort last, past every group
     order = jnp.argsort(flat_experts, stable=True)
-    rows = x[order // top_k]  # [T*k, H], grouped by expert
-    group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
+    rows = x[order // top_k]  # [T*k, H], grouped by expert, dropped pairs at the end
+    group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)  # dropped pairs uncounted
     sorted_experts = flat_experts[order]
+    sorted_kept = kept[order][:, None]
 
     def grouped(lhs, w, bias):
         out = jax.lax.ragged_dot(lhs, jnp.swapaxes(w, 1, 2).astype(lhs.dtype), group_sizes)
-        return out if bias is None else out + bias.astype(out.dtype)[sorted_experts]
+        if bias is None:
+            return out
+        rows_bias = bias.astype(out.dtype)[jnp.minimum(sorted_experts, num_experts - 1)]
+        return out + jnp.where(sorted_kept, rows_bias, 0)
 
     hidden = gated_activation(grouped(rows, gate, gate_bias), grouped(rows, up, up_bias), activation, alpha, limit)
     out = grouped(hidden, down, down_bias)  # [T*k, H]
     weighted = out * expert_weights.reshape(-1)[order][:, None].astype(x.dtype).astype(out.dtype)
+    weighted = jnp.where(sorted_kept, weighted, 0)  # rows of no group: exactly zero
     # Back to (token, slot) order, then sum each token's k slots.
     unsorted = jnp.zeros_like(weighted).at[order].set(weighted)
     return unsorted.reshape(num_tokens, top_k, -1).sum(axis=1).astype(x.dtype)
-
-
-def moe_block(attn_out, residual, norm_weight, router_weight, gate, up, down, *, eps: float, top_k: int,
-              norm_topk_prob: bool = True, context=None):
-    """A pre-norm decoder layer's MoE block with softmax top-k routing and no biases: ``h = attn_out +
-    residual``, its RMSNorm (``add_rms_norm``), the router projection (in the activations' dtype, as
-    ``nn.Linear``), ``route`` and ``moe_mlp``. -> ``(the MoE output, h)``, whose sum is the layer's
-    output as HF adds it (the next layer's residual add). ``context`` (the kernels' per-call
-    ``KernelContext``) is unused here."""
-    normed, h = add_rms_norm(attn_out, residual, norm_weight, eps)
-    (logits,) = project(normed, [router_weight])
-    weights, ids = route(logits, router="softmax_topk", top_k=top_k, norm_topk_prob=norm_topk_prob)
-    return moe_mlp(normed, ids, weights, gate, up, down, distinct_experts=True), h

@@ -77,7 +77,7 @@ def _pairs_and_splits(num_tokens, num_heads, top_k, latent_dim, rope_dim, itemsi
                                     **{**tuning, "num_splits": 1})
     pairs = num_tokens * -(-num_heads // plan.block_heads)
     limit = min(-(-top_k // plan.block_keys), mla_decode.max_splits(latent_dim))
-    sms = registry.local_sms() if sms is None else sms
+    sms = registry.target_sms() if sms is None else sms
     splits = 1
     while 2 * splits <= limit and 2 * splits * pairs <= sms:
         splits *= 2
@@ -155,4 +155,4 @@ def sparse_mla_attention(q_latent, q_rope, cache, slots, *, scale, interpret=Fal
                                      interpret=interpret, name="sparse_mla_combine")
 
 
-__all__ = ["head_blocks", "sparse_mla_attention", "supports"]
+__all__ = ["sparse_mla_attention", "supports"]

@@ -10,7 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.cache.metadata import AttentionMetadata
+from jaxinfer.cache.metadata import StepMetadata
 from jaxinfer.cache.specs import PagedKV
 from jaxinfer.errors import ConfigError
 from jaxinfer.kernels import attention as attention_ops
@@ -20,6 +20,8 @@ from jaxinfer.models.layers import capture
 from jaxinfer.models.layers.linear import Linear, LinearParams
 from jaxinfer.models.layers.norm import NormWeight, PreNorm, RMSNorm
 from jaxinfer.models.layers.rope import RotaryEmbedding
+from jaxinfer.sharding import local
+from jaxinfer.sharding.plan import HEADS, KV_HEADS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +70,10 @@ class PagedGQAttention(nn.Module):
     KV head ``j`` serves query heads ``[j*g, (j+1)*g)`` (HF's ``repeat_kv``), ``g = heads // kv_heads``.
     With ``output_gate``, ``q_proj`` gives ``[q_h | gate_h]`` per head and the attention output is
     multiplied by ``sigmoid(gate)`` before ``o_proj``.
+
+    Tensor-parallel by head: each device projects, caches and attends its query heads and the KV
+    heads they read (q/k/v column-parallel, o_proj row-parallel); with fewer KV heads than devices,
+    each KV head is held by the devices whose query heads read it (``jaxinfer.sharding.plan``).
     """
 
     num_heads: int
@@ -85,15 +91,18 @@ class PagedGQAttention(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x, cache: dict, md: AttentionMetadata, rotary: tuple, prenorm: PreNorm | None = None):
+    def __call__(self, x, cache: dict, md: StepMetadata, rotary: tuple, prenorm: PreNorm | None = None):
         """``cache``: {"k", "v"}; ``rotary``: (cos, sin) of this mixer's RoPE. -> (output, the updated
         cache, the residual stream after ``prenorm``'s add; None without one)."""
         cos, sin = rotary
         t = x.shape[0]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q_width = 2 * q_size if self.output_gate else q_size
-        qkv = [LinearParams(n, self.qkv_bias, self.param_dtype, name=name)(x.shape[-1])
-               for n, name in ((q_width, "q_proj"), (kv_size, "k_proj"), (kv_size, "v_proj"))]
+        heads, kv_heads = local.local(self.num_heads, HEADS), local.local(self.num_kv_heads, KV_HEADS)
+        q_size = heads * self.head_dim  # this device's
+        q_width = 2 * self.num_heads * self.head_dim if self.output_gate else self.num_heads * self.head_dim
+        kv_width = self.num_kv_heads * self.head_dim
+        qkv = [LinearParams(n, self.qkv_bias, self.param_dtype, (axis, None), name=name)(x.shape[-1])
+               for n, axis, name in ((q_width, HEADS, "q_proj"), (kv_width, KV_HEADS, "k_proj"),
+                                     (kv_width, KV_HEADS, "v_proj"))]
         # One op for the three (one launch at decode, with the block's norm), weights kept apart as the
         # checkpoint has them.
         weights, biases = [w for w, _ in qkv], [b for _, b in qkv]
@@ -103,16 +112,16 @@ class PagedGQAttention(nn.Module):
             (q, k, v), residual = prenorm.project(x, weights, biases)
         gate = None
         if self.output_gate:
-            q_and_gate = q.reshape(t, self.num_heads, 2, self.head_dim)
+            q_and_gate = q.reshape(t, heads, 2, self.head_dim)
             q, gate = q_and_gate[:, :, 0].reshape(t, q_size), q_and_gate[:, :, 1].reshape(t, q_size)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        norm = lambda name: RMSNorm(self.qk_norm_eps, unit_offset=self.qk_norm_unit_offset,  # noqa: E731
-                                    param_dtype=self.param_dtype, name=name)
+        v = v.reshape(t, kv_heads, self.head_dim)
+        norm = lambda name, axis=None: RMSNorm(self.qk_norm_eps, unit_offset=self.qk_norm_unit_offset,  # noqa: E731
+                                               param_dtype=self.param_dtype, axis=axis, name=name)
         norms = {}
-        if self.qk_norm_eps is not None and self.qk_norm == "full":
-            q, k = norm("q_norm")(q), norm("k_norm")(k)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm_eps is not None and self.qk_norm == "full":  # over all heads: every device's piece
+            q, k = norm("q_norm", HEADS)(q), norm("k_norm", KV_HEADS)(k)
+        q = q.reshape(t, heads, self.head_dim)
+        k = k.reshape(t, kv_heads, self.head_dim)
         if self.qk_norm_eps is not None and self.qk_norm == "head" and self.qk_norm_unit_offset:
             q, k = norm("q_norm")(q), norm("k_norm")(k)  # per head; the fused op's norm is plain-weight
         elif self.qk_norm_eps is not None and self.qk_norm == "head":  # per head: fused into the RoPE op
@@ -121,7 +130,8 @@ class PagedGQAttention(nn.Module):
                          norm_eps=self.qk_norm_eps)
         options = dict(scale=self.scale or self.head_dim**-0.5, sliding_window=self.sliding_window)
         if self.sinks:
-            options["sinks"] = self.param("sinks", nn.initializers.normal(0.02), (self.num_heads,), self.param_dtype)
+            options["sinks"] = local.param(self, "sinks", nn.initializers.normal(0.02), (self.num_heads,), (HEADS,),
+                                           self.param_dtype)
         if md.decode:  # one op: on the GPU the attention kernel also normalises, rotates and writes the cache
             out, k_cache, v_cache = attention_ops.rotary_paged_decode_attention(
                 q, k, v, cos, sin, cache["k"], cache["v"], md.slot_mapping, md.block_tables, md.seq_lens, **norms,
@@ -132,10 +142,11 @@ class PagedGQAttention(nn.Module):
             out = attention_ops.ragged_paged_attention(q, k_cache, v_cache, md.positions, md.token_seq_ids,
                                                        md.block_tables, md.seq_lens, **options)
             if capture.wanted(self, capture.ATTENTIONS):
-                capture.record(self, capture.ATTENTIONS, "probs", attention_reference.ragged_attention_probs(
-                    q, k_cache, md.positions, md.token_seq_ids, md.block_tables, md.seq_lens, **options))
+                probs = attention_reference.ragged_attention_probs(q, k_cache, md.positions, md.token_seq_ids,
+                                                                   md.block_tables, md.seq_lens, **options)
+                capture.record(self, capture.ATTENTIONS, "probs", local.gather(probs, HEADS, axis=1))
         out = out.reshape(t, q_size)
         if gate is not None:
             out = out * jax.nn.sigmoid(gate)
-        out = Linear(x.shape[-1], self.o_bias, self.param_dtype, name="o_proj")(out)
+        out = Linear(x.shape[-1], self.o_bias, self.param_dtype, (None, HEADS), name="o_proj")(out)
         return out, {"k": k_cache, "v": v_cache}, residual

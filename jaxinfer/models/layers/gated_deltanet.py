@@ -14,8 +14,16 @@ grouped per key head as ``[q_h, k_h, v_group, z_group]`` and ``in_proj_ba`` as `
 a_group]``; ``"flat"`` (Qwen3.5) has ``in_proj_qkv = [Q_all | K_all | V_all]``, ``in_proj_z``,
 ``in_proj_b`` and ``in_proj_a``.
 
+Tensor-parallel by key head: each device holds whole key heads and the value heads they feed, so
+the conv runs here in the channel order grouped per key head, ``[q_h | k_h | v of its group]``
+(``grouped_channels``), which splits over devices in contiguous blocks whatever their number. The
+checkpoint's conv weight (both families) and Qwen3.5's ``in_proj_qkv`` (``[Q_all | K_all | V_all]``
+rows) are re-laid out into that order on load; Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba`` are
+grouped already. ``out_proj`` is row-parallel.
+
 Each layer keeps per sequence a conv state (the last ``conv_kernel - 1`` conv inputs, in the cache
-dtype) and the recurrent state ``[value_heads, key_head_dim, value_head_dim]`` in float32.
+dtype, channels grouped per key head) and the recurrent state ``[value_heads, key_head_dim,
+value_head_dim]`` in float32, both split by head; ``states_as_hf`` gives them in HF's layout.
 """
 
 from __future__ import annotations
@@ -25,16 +33,29 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxinfer.cache.metadata import AttentionMetadata
+from jaxinfer.cache.metadata import StepMetadata
 from jaxinfer.cache.specs import StateSlots
 from jaxinfer.errors import ConfigError
 from jaxinfer.kernels import gated_delta as gated_delta_ops
 from jaxinfer.models.layers.linear import Linear, LinearParams
-from jaxinfer.models.layers.linear_attention import ConvWeight, l2_normalize, project_input, run_recurrence, short_conv
+from jaxinfer.models.layers.linear_attention import l2_normalize, project_input, run_recurrence, short_conv
 from jaxinfer.models.layers.norm import GatedRMSNorm, PreNorm
+from jaxinfer.sharding import local
+from jaxinfer.sharding.plan import HEADS
 
 LAYOUTS = ("grouped", "flat")
+
+
+def grouped_channels(num_key_heads: int, num_value_heads: int, key_head_dim: int, value_head_dim: int) -> np.ndarray:
+    """The conv channels grouped per key head: entry ``i`` is the index in HF's ``[Q_all | K_all |
+    V_all]`` order of grouped channel ``i``, key head ``h`` holding ``[q_h | k_h | v of value heads
+    h*g .. (h+1)*g - 1]`` (``g = value_heads / key_heads``)."""
+    hk, dk = num_key_heads, key_head_dim
+    q = np.arange(hk * dk).reshape(hk, dk)
+    v = 2 * hk * dk + np.arange(num_value_heads * value_head_dim).reshape(hk, -1)
+    return np.concatenate([q, hk * dk + q, v], axis=1).reshape(-1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,9 +86,20 @@ class GatedDeltaNet:
         s = self.sizes(config)
         conv_channels = 2 * s["num_key_heads"] * s["key_head_dim"] + s["num_value_heads"] * s["value_head_dim"]
         return (StateSlots((
-            ("conv_state", (s["conv_kernel_dim"] - 1, conv_channels), None),
-            ("recurrent_state", (s["num_value_heads"], s["key_head_dim"], s["value_head_dim"]), "float32"),
+            ("conv_state", (s["conv_kernel_dim"] - 1, conv_channels), None, (None, HEADS)),  # grouped per key head
+            ("recurrent_state", (s["num_value_heads"], s["key_head_dim"], s["value_head_dim"]), "float32",
+             (HEADS, None, None)),
         )),)
+
+    def channel_order(self, config) -> np.ndarray:
+        """``grouped_channels`` of this config."""
+        s = self.sizes(config)
+        return grouped_channels(s["num_key_heads"], s["num_value_heads"], s["key_head_dim"], s["value_head_dim"])
+
+    def states_as_hf(self, config, states: dict) -> dict:
+        """Captured state-slot arrays ``[S, ...]`` in HF's layout: the conv state's channels back in
+        ``[Q_all | K_all | V_all]`` order."""
+        return {**states, "conv_state": states["conv_state"][..., np.argsort(self.channel_order(config))]}
 
     def rotary(self, config):
         return None
@@ -78,6 +110,24 @@ class GatedDeltaNet:
                                   key_head_dim=s["key_head_dim"], value_head_dim=s["value_head_dim"],
                                   conv_kernel=s["conv_kernel_dim"], layout=self.layout, eps=config.rms_norm_eps,
                                   param_dtype=param_dtype, name=self.name)
+
+
+class GroupedConvWeight(nn.Module):
+    """The short conv's weight per key head, ``conv1d/weight [Hk, 2 Dk + g Dv, K]`` in the grouped
+    channel order (re-laid out on load from the checkpoint's ``[C, 1, K]``), split by key head
+    -> ``[C, K]`` of this device's channels."""
+
+    num_key_heads: int
+    channels_per_key_head: int
+    width: int
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self):
+        weight = local.param(self, "weight", nn.initializers.normal(0.1),
+                             (self.num_key_heads, self.channels_per_key_head, self.width), (HEADS, None, None),
+                             self.param_dtype)
+        return weight.reshape(-1, self.width)
 
 
 class GatedDeltaNetMixer(nn.Module):
@@ -91,47 +141,51 @@ class GatedDeltaNetMixer(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     def _projections(self, x, prenorm):
-        """-> (q [T, Hk*Dk], k [T, Hk*Dk], v [T, Hv*Dv], z [T, Hv, Dv], b [T, Hv], a [T, Hv], residual)."""
+        """-> (qkv [T, Hk, 2 Dk + g Dv] grouped per key head, z [T, Hv, Dv], b [T, Hv], a [T, Hv],
+        residual), of this device's heads."""
         t, hidden = x.shape
         hk, hv, dk, dv = self.num_key_heads, self.num_value_heads, self.key_head_dim, self.value_head_dim
         group = hv // hk
-        param = lambda n, name: LinearParams(n, False, self.param_dtype, name=name)(hidden)[0]  # noqa: E731
+        per_key_head = 2 * dk + group * dv
+        local_hk = local.local(hk, HEADS)
+        local_hv = local.local(hv, HEADS)
+        column = lambda n, name: LinearParams(n, False, self.param_dtype, (HEADS, None), name=name)(hidden)[0]  # noqa: E731
         if self.layout == "grouped":
-            weights = [param(hk * (2 * dk + 2 * group * dv), "in_proj_qkvz"), param(hv * 2, "in_proj_ba")]
+            weights = [column(hk * (per_key_head + group * dv), "in_proj_qkvz"), column(hv * 2, "in_proj_ba")]
             (qkvz, ba), residual = project_input(x, prenorm, weights)
-            qkvz = qkvz.reshape(t, hk, 2 * dk + 2 * group * dv)
-            q, k = qkvz[..., :dk], qkvz[..., dk:2 * dk]
-            v, z = qkvz[..., 2 * dk:2 * dk + group * dv], qkvz[..., 2 * dk + group * dv:]
-            ba = ba.reshape(t, hk, 2 * group)
-            b, a = ba[..., :group].reshape(t, hv), ba[..., group:].reshape(t, hv)
-            q, k, v = q.reshape(t, hk * dk), k.reshape(t, hk * dk), v.reshape(t, hv * dv)
-        else:
-            weights = [param(2 * hk * dk + hv * dv, "in_proj_qkv"), param(hv * dv, "in_proj_z"),
-                       param(hv, "in_proj_b"), param(hv, "in_proj_a")]
+            qkvz = qkvz.reshape(t, local_hk, per_key_head + group * dv)
+            qkv, z = qkvz[..., :per_key_head], qkvz[..., per_key_head:]
+            ba = ba.reshape(t, local_hk, 2 * group)
+            b, a = ba[..., :group].reshape(t, local_hv), ba[..., group:].reshape(t, local_hv)
+        else:  # in_proj_qkv's rows re-laid out per key head on load
+            weights = [column(hk * per_key_head, "in_proj_qkv"), column(hv * dv, "in_proj_z"), column(hv, "in_proj_b"),
+                       column(hv, "in_proj_a")]
             (qkv, z, b, a), residual = project_input(x, prenorm, weights)
-            q, k, v = qkv[:, :hk * dk], qkv[:, hk * dk:2 * hk * dk], qkv[:, 2 * hk * dk:]
-        return q, k, v, z.reshape(t, hv, dv), b, a, residual
+            qkv = qkv.reshape(t, local_hk, per_key_head)
+        return qkv, z.reshape(t, local_hv, dv), b, a, residual
 
     @nn.compact
-    def __call__(self, x, cache: dict, md: AttentionMetadata, rotary=None, prenorm: PreNorm | None = None):
+    def __call__(self, x, cache: dict, md: StepMetadata, rotary=None, prenorm: PreNorm | None = None):
         """``cache``: {"conv_state", "recurrent_state"} -> (output, the updated cache, the residual
         stream after ``prenorm``'s add)."""
         t = x.shape[0]
         hk, hv, dk, dv = self.num_key_heads, self.num_value_heads, self.key_head_dim, self.value_head_dim
-        q, k, v, z, b, a, residual = self._projections(x, prenorm)
-        conv_weight = ConvWeight(2 * hk * dk + hv * dv, self.conv_kernel, self.param_dtype, name="conv1d")()
-        mixed, conv_state = short_conv(jnp.concatenate([q, k, v], axis=-1), conv_weight, cache["conv_state"], md)
         group = hv // hk
+        qkv, z, b, a, residual = self._projections(x, prenorm)
+        local_hk, per_key_head = qkv.shape[1], qkv.shape[2]
+        conv_weight = GroupedConvWeight(hk, per_key_head, self.conv_kernel, self.param_dtype, name="conv1d")()
+        mixed, conv_state = short_conv(qkv.reshape(t, local_hk * per_key_head), conv_weight, cache["conv_state"], md)
+        mixed = mixed.reshape(t, local_hk, per_key_head)
         # Key head j // group feeds value head j (HF's repeat_interleave).
-        q = jnp.repeat(l2_normalize(mixed[:, :hk * dk].reshape(t, hk, dk)), group, axis=1) * dk ** -0.5
-        k = jnp.repeat(l2_normalize(mixed[:, hk * dk:2 * hk * dk].reshape(t, hk, dk)), group, axis=1)
-        v = mixed[:, 2 * hk * dk:].reshape(t, hv, dv)
-        a_log = self.param("A_log", nn.initializers.zeros, (hv,), self.param_dtype)
-        dt_bias = self.param("dt_bias", nn.initializers.ones, (hv,), self.param_dtype)
+        q = jnp.repeat(l2_normalize(mixed[..., :dk]), group, axis=1) * dk ** -0.5
+        k = jnp.repeat(l2_normalize(mixed[..., dk:2 * dk]), group, axis=1)
+        v = mixed[..., 2 * dk:].reshape(t, local_hk * group, dv)
+        a_log = local.param(self, "A_log", nn.initializers.zeros, (hv,), (HEADS,), self.param_dtype)
+        dt_bias = local.param(self, "dt_bias", nn.initializers.ones, (hv,), (HEADS,), self.param_dtype)
         beta = jax.nn.sigmoid(b).astype(jnp.float32)  # in b's dtype, as HF
         g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
         out, recurrent_state = run_recurrence(gated_delta_ops.gated_delta_rule, gated_delta_ops.recurrent_update,
                                               cache["recurrent_state"], md, q, k, v, g, beta)
         out = GatedRMSNorm(self.eps, "silu", param_dtype=self.param_dtype, name="norm")(out.astype(x.dtype), z)
-        out = Linear(x.shape[-1], False, self.param_dtype, name="out_proj")(out.reshape(t, hv * dv))
+        out = Linear(x.shape[-1], False, self.param_dtype, (None, HEADS), name="out_proj")(out.reshape(t, -1))
         return out, {"conv_state": conv_state, "recurrent_state": recurrent_state}, residual

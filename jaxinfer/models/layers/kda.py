@@ -10,8 +10,15 @@ float32. The output per head is ``o_norm.weight * rms_norm(o) * sigmoid(g_b_proj
 all in float32 (not SiLU as in gated DeltaNet), then ``o_proj``. The checkpoint keeps ``A_log`` as
 ``[1, 1, H, 1]`` and ``dt_bias`` as ``[H * d]``, the latter in float32 whatever the serving dtype.
 
-Each layer keeps per sequence a conv state (the last ``kernel - 1`` inputs of the three convs, as
-``[q | k | v]`` channels, in the cache dtype) and the recurrent state ``[H, d, d]`` in float32.
+Tensor-parallel by head: each device projects its heads' q, k, v, decay (``f_b_proj``) and gate
+(``g_b_proj``) rows from the whole low-rank ``f_a_proj`` / ``g_a_proj`` outputs (which every device
+computes), holds their conv channels, ``A_log`` and ``dt_bias`` entries and state rows; ``o_proj`` is
+row-parallel.
+
+Each layer keeps per sequence a conv state (the last ``kernel - 1`` inputs of the three convs, in the
+cache dtype) ``[kernel - 1, 3, H * d]``, the three convs' channels apart so that each splits by head
+(HF's ``[q | k | v]`` channels are its last two axes flattened: ``states_as_hf``), and the recurrent
+state ``[H, d, d]`` in float32.
 """
 
 from __future__ import annotations
@@ -22,13 +29,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.cache.metadata import AttentionMetadata
+from jaxinfer.cache.metadata import StepMetadata
 from jaxinfer.cache.specs import StateSlots
 from jaxinfer.errors import ConfigError
 from jaxinfer.kernels import kda as kda_ops
 from jaxinfer.models.layers.linear import Linear, LinearParams
 from jaxinfer.models.layers.linear_attention import ConvWeight, l2_normalize, project_input, run_recurrence, short_conv
 from jaxinfer.models.layers.norm import GatedRMSNorm, PreNorm
+from jaxinfer.sharding import local
+from jaxinfer.sharding.plan import HEADS
 
 CONV_ACTIVATIONS = {"silu": "silu", "swish": "silu"}  # hidden_act names the short-conv op implements
 
@@ -55,9 +64,15 @@ class KDA:
     def cache_specs(self, config) -> tuple[StateSlots, ...]:
         s = self.sizes(config)
         return (StateSlots((
-            ("conv_state", (s["conv_kernel_dim"] - 1, 3 * s["num_heads"] * s["head_dim"]), None),
-            ("recurrent_state", (s["num_heads"], s["head_dim"], s["head_dim"]), "float32"),
+            ("conv_state", (s["conv_kernel_dim"] - 1, 3, s["num_heads"] * s["head_dim"]), None, (None, None, HEADS)),
+            ("recurrent_state", (s["num_heads"], s["head_dim"], s["head_dim"]), "float32", (HEADS, None, None)),
         )),)
+
+    def states_as_hf(self, config, states: dict) -> dict:
+        """Captured state-slot arrays ``[S, ...]`` in HF's layout: the conv state's channels as
+        ``[q | k | v]``."""
+        conv = states["conv_state"]
+        return {**states, "conv_state": conv.reshape(*conv.shape[:-2], -1)}
 
     def rotary(self, config):
         return None
@@ -78,35 +93,39 @@ class KimiDeltaAttention(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x, cache: dict, md: AttentionMetadata, rotary=None, prenorm: PreNorm | None = None):
+    def __call__(self, x, cache: dict, md: StepMetadata, rotary=None, prenorm: PreNorm | None = None):
         """``cache``: {"conv_state", "recurrent_state"} -> (output, the updated cache, the residual
         stream after ``prenorm``'s add)."""
         t, hidden = x.shape
         h, d = self.num_heads, self.head_dim
-        param = lambda n, name: LinearParams(n, False, self.param_dtype, name=name)(hidden)[0]  # noqa: E731
-        # Every projection of the block's input, in one op with the block's norm.
-        weights = [param(h * d, "q_proj"), param(h * d, "k_proj"), param(h * d, "v_proj"), param(d, "f_a_proj"),
-                   param(h, "b_proj"), param(d, "g_a_proj")]
+        local_h = local.local(h, HEADS)
+        param = lambda n, name, axis: LinearParams(n, False, self.param_dtype, (axis, None), name=name)(hidden)[0]  # noqa: E731
+        # Every projection of the block's input, in one op with the block's norm; the low-rank f_a / g_a whole.
+        weights = [param(h * d, "q_proj", HEADS), param(h * d, "k_proj", HEADS), param(h * d, "v_proj", HEADS),
+                   param(d, "f_a_proj", None), param(h, "b_proj", HEADS), param(d, "g_a_proj", None)]
         (q, k, v, f, b, gate), residual = project_input(x, prenorm, weights)
 
-        conv_weight = jnp.concatenate([ConvWeight(h * d, self.conv_kernel, self.param_dtype, name=f"{n}_conv1d")()
+        conv_weight = jnp.concatenate([ConvWeight(h * d, self.conv_kernel, self.param_dtype, HEADS, name=f"{n}_conv1d")()
                                        for n in "qkv"])
-        mixed, conv_state = short_conv(jnp.concatenate([q, k, v], axis=-1), conv_weight, cache["conv_state"], md,
-                                       activation=self.activation)
-        q = l2_normalize(mixed[:, :h * d].reshape(t, h, d)) * d ** -0.5
-        k = l2_normalize(mixed[:, h * d:2 * h * d].reshape(t, h, d))
-        v = mixed[:, 2 * h * d:].reshape(t, h, d)
+        pool = cache["conv_state"]  # [slots, K - 1, 3, local channels]: as the conv input [q | k | v]
+        mixed, conv_state = short_conv(jnp.concatenate([q, k, v], axis=-1), conv_weight,
+                                       pool.reshape(*pool.shape[:2], -1), md, activation=self.activation)
+        mixed = mixed.reshape(t, 3, local_h, d)
+        q = l2_normalize(mixed[:, 0]) * d ** -0.5
+        k = l2_normalize(mixed[:, 1])
+        v = mixed[:, 2]
 
-        a_log = self.param("A_log", nn.initializers.zeros, (1, 1, h, 1), self.param_dtype).reshape(h, 1)
-        dt_bias = self.param("dt_bias", nn.initializers.zeros, (h * d,), jnp.float32)  # float32, as HF keeps it
-        f = Linear(h * d, False, self.param_dtype, name="f_b_proj")(f)
-        g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus((f.astype(jnp.float32) + dt_bias).reshape(t, h, d))
+        a_log = local.param(self, "A_log", nn.initializers.zeros, (1, 1, h, 1), (None, None, HEADS, None),
+                            self.param_dtype).reshape(local_h, 1)
+        dt_bias = local.param(self, "dt_bias", nn.initializers.zeros, (h * d,), (HEADS,), jnp.float32)  # as HF keeps it
+        f = Linear(h * d, False, self.param_dtype, (HEADS, None), name="f_b_proj")(f)
+        g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus((f.astype(jnp.float32) + dt_bias).reshape(t, local_h, d))
         beta = jax.nn.sigmoid(b).astype(jnp.float32)  # in b's dtype, as HF
         out, recurrent_state = run_recurrence(kda_ops.kda, kda_ops.recurrent_update, cache["recurrent_state"], md,
                                               q, k, v, g, beta)
 
-        gate = Linear(h * d, False, self.param_dtype, name="g_b_proj")(gate).reshape(t, h, d)
+        gate = Linear(h * d, False, self.param_dtype, (HEADS, None), name="g_b_proj")(gate).reshape(t, local_h, d)
         out = GatedRMSNorm(self.eps, "sigmoid", float32_weight=True, param_dtype=self.param_dtype, name="o_norm")(
             out.astype(x.dtype), gate)
-        out = Linear(hidden, False, self.param_dtype, name="o_proj")(out.reshape(t, h * d))
-        return out, {"conv_state": conv_state, "recurrent_state": recurrent_state}, residual
+        out = Linear(hidden, False, self.param_dtype, (None, HEADS), name="o_proj")(out.reshape(t, local_h * d))
+        return out, {"conv_state": conv_state.reshape(pool.shape), "recurrent_state": recurrent_state}, residual

@@ -11,6 +11,10 @@ barely decays. The output is ``RMSNorm(o over all H * D, eps 1e-6) * sigmoid(out
 HF's checkpoint also stores the decay tables of its block-wise prefill (``slope_rate``,
 ``query_decay``, ``key_decay``, ``diagonal_decay``); they follow from the config and are not
 parameters here. Each layer keeps per sequence the float32 state ``[H, D, D]``.
+
+Tensor-parallel by head: ``qkv_proj`` and ``output_gate`` column-parallel (``qkv_proj``'s rows are per
+head already), each device's slopes those of its heads, the output norm over every device's heads,
+``out_proj`` row-parallel; the state splits by head.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.cache.metadata import AttentionMetadata
+from jaxinfer.cache.metadata import StepMetadata
 from jaxinfer.cache.specs import StateSlots
 from jaxinfer.errors import ConfigError
 from jaxinfer.kernels import lightning as lightning_ops
@@ -30,6 +34,8 @@ from jaxinfer.models.layers.activations import get_activation
 from jaxinfer.models.layers.linear import Linear, LinearParams
 from jaxinfer.models.layers.linear_attention import project_input, run_recurrence
 from jaxinfer.models.layers.norm import PreNorm, RMSNorm
+from jaxinfer.sharding import local
+from jaxinfer.sharding.plan import HEADS
 
 OUTPUT_NORM_EPS = 1e-6  # HF's MiniMaxRMSNorm default; the lightning output norm never reads rms_norm_eps
 DECAY_BUFFERS = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
@@ -57,7 +63,7 @@ class LightningAttention:
 
     def cache_specs(self, config) -> tuple[StateSlots, ...]:
         h, d = config.num_attention_heads, config.head_dim
-        return (StateSlots((("recurrent_state", (h, d, d), "float32"),)),)
+        return (StateSlots((("recurrent_state", (h, d, d), "float32", (HEADS, None, None)),)),)
 
     def rotary(self, config):
         return None
@@ -77,22 +83,26 @@ class LightningAttentionMixer(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x, cache: dict, md: AttentionMetadata, rotary=None, prenorm: PreNorm | None = None):
+    def __call__(self, x, cache: dict, md: StepMetadata, rotary=None, prenorm: PreNorm | None = None):
         """``cache``: {"recurrent_state"} -> (output, the updated cache, the residual stream after
         ``prenorm``'s add; None without one)."""
         t, hidden = x.shape
         h, d = self.num_heads, self.head_dim
-        weights = [LinearParams(n, False, self.param_dtype, name=name)(hidden)[0]
+        local_h = local.local(h, HEADS)
+        weights = [LinearParams(n, False, self.param_dtype, (HEADS, None), name=name)(hidden)[0]
                    for n, name in ((3 * h * d, "qkv_proj"), (h * d, "output_gate"))]
         (qkv, gate), residual = project_input(x, prenorm, weights)
-        qkv = get_activation(self.activation)(qkv).reshape(t, h, 3 * d)
+        qkv = get_activation(self.activation)(qkv).reshape(t, local_h, 3 * d)
         q, k, v = qkv[..., :d], qkv[..., d:2 * d], qkv[..., 2 * d:]
-        slope = jnp.asarray(np.asarray(self.slopes, np.float32))
+        # The slopes of this device's heads: they depend on the global head index.
+        slope = jax.lax.dynamic_slice_in_dim(jnp.asarray(np.asarray(self.slopes, np.float32)),
+                                             local.index(HEADS) * local_h, local_h)
         out, state = run_recurrence(lightning_ops.lightning_attention, lightning_ops.recurrent_update,
                                     cache["recurrent_state"], md, q, k, v, slope)
-        out = RMSNorm(OUTPUT_NORM_EPS, param_dtype=self.param_dtype, name="norm")(out.astype(x.dtype).reshape(t, h * d))
+        out = RMSNorm(OUTPUT_NORM_EPS, param_dtype=self.param_dtype, axis=HEADS, name="norm")(
+            out.astype(x.dtype).reshape(t, local_h * d))
         out = jax.nn.sigmoid(gate) * out
-        out = Linear(hidden, False, self.param_dtype, name="out_proj")(out)
+        out = Linear(hidden, False, self.param_dtype, (None, HEADS), name="out_proj")(out)
         return out, {"recurrent_state": state}, residual
 
 

@@ -5,6 +5,9 @@ state, L2-normalised heads, and running a recurrence over a step from the sequen
 Prefill and mixed steps run the chunked ops over the packed rows (``md.query_start``) from each
 sequence's state (``jaxinfer.models.layers.state``) and store the final states; decode steps run the
 one-token ops, which read and write the slot pool in place.
+
+Tensor-parallel by head: each device projects, convolves and runs the recurrence of its heads (their
+conv channels, their state slots' rows), and the output projection is row-parallel.
 """
 
 from __future__ import annotations
@@ -15,11 +18,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.cache.metadata import AttentionMetadata
+from jaxinfer.cache.metadata import StepMetadata
 from jaxinfer.kernels import conv1d as conv_ops
 from jaxinfer.kernels import linear as linear_ops
 from jaxinfer.models.layers.norm import PreNorm
 from jaxinfer.models.layers.state import decode_slots, sequence_states, store_states
+from jaxinfer.sharding import local
 
 L2_NORM_EPS = 1e-6  # HF's l2norm (and flash-linear-attention's): x * rsqrt(sum(x^2) + eps)
 
@@ -39,19 +43,22 @@ def l2_normalize(x):
 
 
 class ConvWeight(nn.Module):
-    """A depthwise ``nn.Conv1d``'s weight as the checkpoint keeps it, ``<name>/weight [C, 1, K]``."""
+    """A depthwise ``nn.Conv1d``'s weight as the checkpoint keeps it, ``<name>/weight [C, 1, K]``, its
+    channels split over ``axis`` (``HEADS``: each device holds its heads' channels) -> ``[C, K]``."""
 
     channels: int
     width: int
     param_dtype: jnp.dtype = jnp.float32
+    axis: str | None = None
 
     @nn.compact
     def __call__(self):
-        weight = self.param("weight", nn.initializers.normal(0.1), (self.channels, 1, self.width), self.param_dtype)
+        weight = local.param(self, "weight", nn.initializers.normal(0.1), (self.channels, 1, self.width),
+                             (self.axis, None, None), self.param_dtype)
         return weight[:, 0, :]
 
 
-def short_conv(x, weight, pool, md: AttentionMetadata, activation: str | None = "silu"):
+def short_conv(x, weight, pool, md: StepMetadata, activation: str | None = "silu"):
     """The step's rows ``x [T, C]`` through the causal conv ``weight [C, K]``, each sequence
     continuing from its conv state (its last ``K - 1`` inputs) -> (y [T, C], the updated pool)."""
     if md.decode:
@@ -64,7 +71,7 @@ def short_conv(x, weight, pool, md: AttentionMetadata, activation: str | None = 
     return y, store_states(pool, md, finals)
 
 
-def run_recurrence(prefill: Callable, decode_update: Callable, pool, md: AttentionMetadata, *inputs, **options):
+def run_recurrence(prefill: Callable, decode_update: Callable, pool, md: StepMetadata, *inputs, **options):
     """A recurrence over the step from the sequences' states: ``prefill(*inputs, cu_seqlens,
     initial_states, **options) -> (out, finals)`` for prefill and mixed steps, ``decode_update(pool,
     slots, *inputs, **options) -> (out, pool)`` at decode -> (out, the updated pool)."""

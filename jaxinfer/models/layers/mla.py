@@ -18,6 +18,14 @@ LayerNorm, both rotated over their first ``qk_rope_head_dim`` dims; its per-head
 ``weights_proj`` (kept in float32, as HF keeps it) times ``num_heads ** -0.5``. A layer that
 ``shares_selection`` (GLM-5's "shared" layers) has no indexer and attends to the last indexer
 layer's selection, handed on through the forward's ``across_layers`` values.
+
+Tensor-parallel by head, the latent replicated (``docs/sharding-mla.md``): q_a / kv_a, their norms
+and the latent cache are whole on every device (each computes and writes the same latent rows);
+q_b (or q_proj) and kv_b are column-parallel by head (kv_b's rows are ``[k_nope | v]`` per head, so
+a contiguous split keeps each head's W_UK and W_UV together); the absorbed attention runs on the
+device's heads and o_proj is row-parallel, one sum per layer. The indexer stays replicated: its
+heads' weighted scores are summed before one top-k shared by all heads, so splitting them would add
+a sum of ``[T, keys]`` scores over the devices, and its rounding could change the selection.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import dataclasses
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jaxinfer.cache.metadata import AttentionMetadata
+from jaxinfer.cache.metadata import StepMetadata
 from jaxinfer.cache.specs import PagedLatent, PagedSide
 from jaxinfer.errors import ConfigError
 from jaxinfer.kernels import linear as linear_ops
@@ -40,6 +48,8 @@ from jaxinfer.models.layers.attention_probs import latent_attention_probs
 from jaxinfer.models.layers.linear import Linear, LinearParams
 from jaxinfer.models.layers.norm import LayerNorm, PreNorm, RMSNorm
 from jaxinfer.models.layers.rope import RotaryEmbedding
+from jaxinfer.sharding import local
+from jaxinfer.sharding.plan import HEADS
 
 LATENT_NORM_EPS = 1e-6  # HF's q_a_layernorm and kv_a_layernorm: hard-coded, not rms_norm_eps
 INDEXER_KEY_NORM_EPS = 1e-6  # HF's indexer k_norm (a LayerNorm): hard-coded too
@@ -126,17 +136,19 @@ class MultiHeadLatentAttention(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x, cache: dict, md: AttentionMetadata, rotary, prenorm: PreNorm | None = None,
+    def __call__(self, x, cache: dict, md: StepMetadata, rotary, prenorm: PreNorm | None = None,
                  across_layers: dict | None = None):
         """``cache``: {"latent"} (and "index_keys" with an indexer); ``rotary``: (cos, sin) over
         qk_rope_head_dim, or None (NoPE); ``across_layers`` (sparse attention): the forward's values
         handed between layers, where an indexer leaves its selection for a sharing layer after it.
         -> (output, the updated cache, the residual stream after ``prenorm``'s add; None without one)."""
-        s, heads, t, hidden = self.spec, self.num_heads, x.shape[0], x.shape[-1]
+        s, t, hidden = self.spec, x.shape[0], x.shape[-1]
+        heads = local.local(self.num_heads, HEADS)  # this device's
         qk_head = s.qk_nope_head_dim + s.qk_rope_head_dim
+        q_width = self.num_heads * qk_head  # all heads (a declared size)
         # The two projections of the block's input, in one op (with the block's norm, when given).
         q_first = (LinearParams(s.q_lora_rank, s.attention_bias, self.param_dtype, name="q_a_proj") if s.q_lora_rank
-                   else LinearParams(heads * qk_head, False, self.param_dtype, name="q_proj"))(hidden)
+                   else LinearParams(q_width, False, self.param_dtype, (HEADS, None), name="q_proj"))(hidden)
         kv_a = LinearParams(s.kv_lora_rank + s.qk_rope_head_dim, s.attention_bias, self.param_dtype,
                             name="kv_a_proj_with_mqa")(hidden)
         weights, biases = [q_first[0], kv_a[0]], [q_first[1], kv_a[1]]
@@ -151,7 +163,7 @@ class MultiHeadLatentAttention(nn.Module):
             (q, kv), residual = prenorm.project(x, weights, biases)
         if s.q_lora_rank:
             q = q_resid = RMSNorm(LATENT_NORM_EPS, param_dtype=self.param_dtype, name="q_a_layernorm")(q)
-            q = Linear(heads * qk_head, False, self.param_dtype, name="q_b_proj")(q)
+            q = Linear(q_width, False, self.param_dtype, (HEADS, None), name="q_b_proj")(q)
         q = q.reshape(t, heads, qk_head)
         q_nope, q_rope = q[..., :s.qk_nope_head_dim], q[..., s.qk_nope_head_dim:]
         latent = RMSNorm(LATENT_NORM_EPS, param_dtype=self.param_dtype, name="kv_a_layernorm")(kv[:, :s.kv_lora_rank])
@@ -162,9 +174,9 @@ class MultiHeadLatentAttention(nn.Module):
         latent_cache = mla_ops.write_latent_cache(cache["latent"], latent, k_rope[:, 0], md.slot_mapping)
         new_cache = {"latent": latent_cache}
 
-        # kv_b's rows per head: [k_nope (W_UK) | v (W_UV)], each against the latent.
-        kv_b, _ = LinearParams(heads * (s.qk_nope_head_dim + s.v_head_dim), False, self.param_dtype,
-                               name="kv_b_proj")(s.kv_lora_rank)
+        # kv_b's rows per head: [k_nope (W_UK) | v (W_UV)], each against the latent; this device's heads.
+        kv_b, _ = LinearParams(self.num_heads * (s.qk_nope_head_dim + s.v_head_dim), False, self.param_dtype,
+                               (HEADS, None), name="kv_b_proj")(s.kv_lora_rank)
         kv_b = kv_b.reshape(heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
         w_uk, w_uv = kv_b[:, :s.qk_nope_head_dim], kv_b[:, s.qk_nope_head_dim:]
         q_latent = jnp.einsum("thn,hnr->thr", q_nope, w_uk)  # float32 sums, rounded once to the input dtype
@@ -191,7 +203,8 @@ class MultiHeadLatentAttention(nn.Module):
                 q_latent, q_rope, latent_cache, md.positions, md.token_seq_ids, md.block_tables, scale=scale,
                 selected_slots=selected))
         values = jnp.einsum("thr,hvr->thv", out, w_uv)
-        out = Linear(hidden, s.attention_bias, self.param_dtype, name="o_proj")(values.reshape(t, heads * s.v_head_dim))
+        out = Linear(hidden, s.attention_bias, self.param_dtype, (None, HEADS), name="o_proj")(
+            values.reshape(t, heads * s.v_head_dim))
         return out, new_cache, residual
 
 
@@ -202,7 +215,7 @@ class LightningIndexer(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x, q_resid, cache, md: AttentionMetadata, rotary):
+    def __call__(self, x, q_resid, cache, md: StepMetadata, rotary):
         """``x``: the block's normed input; ``q_resid``: the normed q latent (HF's name)."""
         s, t = self.spec, x.shape[0]
         q = Linear(s.num_heads * s.head_dim, False, self.param_dtype, name="wq_b")(q_resid)

@@ -1,4 +1,5 @@
-"""The gated MLP: ``down(act(gate(x)) * up(x))``."""
+"""The gated MLP: ``down(act(gate(x)) * up(x))``; tensor-parallel over its width (gate/up
+column-parallel, down row-parallel: one sum over the devices)."""
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -7,6 +8,7 @@ from jaxinfer.kernels import linear as linear_ops
 from jaxinfer.models.layers.activations import get_activation
 from jaxinfer.models.layers.linear import Linear, LinearParams
 from jaxinfer.models.layers.norm import PreNorm
+from jaxinfer.sharding.plan import MLP
 
 
 class GatedMLP(nn.Module):
@@ -14,16 +16,19 @@ class GatedMLP(nn.Module):
     hidden_act: str = "silu"
     use_bias: bool = False
     param_dtype: jnp.dtype = jnp.float32
+    reduce: bool = True  # False: the output is this device's partial sum, for the caller to sum once
 
     @nn.compact
     def __call__(self, x, prenorm: PreNorm | None = None):
         """-> (output, the residual stream after ``prenorm``'s add; None without one)."""
         act = get_activation(self.hidden_act)
-        gate_up = [LinearParams(self.intermediate_size, self.use_bias, self.param_dtype, name=name)(x.shape[-1])
+        gate_up = [LinearParams(self.intermediate_size, self.use_bias, self.param_dtype, (MLP, None),
+                                name=name)(x.shape[-1])
                    for name in ("gate_proj", "up_proj")]
         weights, biases = [w for w, _ in gate_up], [b for _, b in gate_up]
         if prenorm is None:  # one op for the two (with the block's norm, when given)
             (gate, up), residual = linear_ops.project(x, weights, biases), None
         else:
             (gate, up), residual = prenorm.project(x, weights, biases)
-        return Linear(x.shape[-1], self.use_bias, self.param_dtype, name="down_proj")(act(gate) * up), residual
+        down = Linear(x.shape[-1], self.use_bias, self.param_dtype, (None, MLP), self.reduce, name="down_proj")
+        return down(act(gate) * up), residual

@@ -8,10 +8,23 @@ Experts are stored stacked in nn.Linear orientation (``gate``/``up`` ``[E, I, H]
 ``[E, H, I]``) and run through ``jaxinfer.kernels.moe.moe_mlp``. An optional shared expert (a plain
 gated MLP, optionally scaled by ``sigmoid(shared_expert_gate(x))``) is added to every token.
 
-A block with softmax top-k routing and nothing else (no biases, no shared expert, SiLU; ``MoESpec.
-is_plain_block``) runs as one op with the residual add and RMSNorm in front of it
-(``jaxinfer.kernels.moe.moe_block``), whose implementations decide how (one kernel at one token
-on the GPU where it fits).
+**Partitioning** (``jaxinfer.sharding.plan``). The router and its correction bias are replicated: the
+activations are the same on every device, so every device routes every token the same way.
+
+* Tensor parallel: each expert's width is split (``EXPERT_MLP``): a device runs every expert on its
+  slice of ``I`` (the gated activation is elementwise over ``I``), giving a partial output that the
+  sum over the devices completes; the down projection's bias is added once, after that sum.
+* Expert parallel: the experts are split whole (``EXPERTS``): device ``d`` holds experts
+  ``[d * E / T, (d + 1) * E / T)``. The tokens are already on every device, so the dispatch is local:
+  routed ids become local ids, and ids of other devices' experts become -1, which the expert op
+  drops (no rows, no blocks, a zero in its sum); the sum over the devices then combines each
+  token's experts (the all-gather + reduce-scatter scheme). Once tokens are split over data-parallel
+  ranks, an all-to-all dispatch (``jax.lax.ragged_all_to_all``) that sends each token only to the
+  devices of its experts pays off; the engine does not split tokens that way yet.
+
+The shared expert's down projection is row-parallel over the same devices: its partial output (scaled
+by its gate, a per-token scalar of the replicated input) is added to the routed partial and the
+block's output is reduced once.
 """
 
 from __future__ import annotations
@@ -22,12 +35,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.kernels import linear as linear_ops
 from jaxinfer.kernels import moe as moe_ops
-from jaxinfer.kernels import norm as norm_ops
 from jaxinfer.models.layers import capture
-from jaxinfer.models.layers.linear import Linear, LinearParams
+from jaxinfer.models.layers.linear import Linear
 from jaxinfer.models.layers.mlp import GatedMLP
+from jaxinfer.sharding import local
+from jaxinfer.sharding.plan import EXPERT_MLP, EXPERTS, MLP
 
 ROUTERS = moe_ops.ROUTERS
 
@@ -58,14 +71,6 @@ class MoESpec:
         if self.router not in ROUTERS:
             raise ValueError(f"unknown router {self.router!r}; known: {ROUTERS}")
 
-    @property
-    def is_plain_block(self) -> bool:
-        """Whether the block is what ``moe_ops.moe_block`` computes: softmax top-k, SiLU experts, no
-        biases, no shared expert, no scaling, the router in the activations' dtype."""
-        return (self.router == "softmax_topk" and not self.router_bias and not self.expert_bias
-                and self.activation == "silu" and not self.shared_intermediate_size
-                and self.routed_scaling_factor == 1.0 and self.norm_eps == 0.0 and not self.router_float32)
-
 
 def route(logits, spec: MoESpec, correction_bias=None):
     """Router logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int32), as ``spec`` routes."""
@@ -74,11 +79,22 @@ def route(logits, spec: MoESpec, correction_bias=None):
                          n_group=spec.n_group, topk_group=spec.topk_group, correction_bias=correction_bias)
 
 
+def _routed_axis() -> str:
+    """The logical axis the routed experts' partial outputs are summed over: the experts themselves
+    under expert parallelism, else their width."""
+    return EXPERTS if local.ways(EXPERTS) > 1 else EXPERT_MLP
+
+
+def _same_devices(a: str, b: str) -> bool:
+    """Whether logical axes ``a`` and ``b`` are split over the same mesh axes (so their partial outputs
+    may be added before one sum)."""
+    plan = local.active()
+    return plan is None or plan.mesh_axes(a) == plan.mesh_axes(b)
+
+
 class SparseMoE(nn.Module):
-    """``moe(x)`` for the normalised rows ``x``; ``moe(attn_out, block=(residual, norm_weight, eps,
-    kernel_context))`` for a plain block (``MoESpec.is_plain_block``) with the residual add and RMSNorm
-    in front of it: -> ``(x, residual)`` whose sum is the layer's output (``jaxinfer.kernels.moe.
-    moe_block``)."""
+    """``moe(x)`` for the normalised rows ``x`` (the same on every device) -> the block's output,
+    whole on every device."""
 
     spec: MoESpec
     hidden_act: str = "silu"
@@ -89,19 +105,9 @@ class SparseMoE(nn.Module):
             for name, value in (("router_logits", logits), ("selected_experts", ids), ("routing_weights", weights)):
                 capture.record(self, capture.ROUTING, name, value)
 
-    @nn.compact
-    def __call__(self, x, block=None):
+    def _route(self, x):
+        """The replicated router: -> (weights [T, k] float32, global expert ids [T, k])."""
         spec = self.spec
-        if block is not None:
-            residual, norm_weight, eps, kernel_context = block
-            router, _ = LinearParams(spec.num_experts, False, self.param_dtype, name=spec.router_name)(x.shape[-1])
-            gate, up, down = Experts(spec, x.shape[-1], self.param_dtype, name="experts").weights()
-            if capture.wanted(self, capture.ROUTING):  # the block op routes inside: route again, as it does
-                normed, _ = norm_ops.add_rms_norm(x, residual, norm_weight, eps)
-                (logits,) = linear_ops.project(normed, [router])
-                self._record_routing(logits, *route(logits, spec))
-            return moe_ops.moe_block(x, residual, norm_weight, router, gate, up, down, eps=eps, top_k=spec.top_k,
-                                     norm_topk_prob=spec.norm_topk_prob, context=kernel_context)
         if spec.router_float32:
             logits = Linear(spec.num_experts, spec.router_bias, jnp.float32, name=spec.router_name)(x.astype(jnp.float32))
         else:
@@ -113,17 +119,39 @@ class SparseMoE(nn.Module):
         # spares a separate cast kernel between the router and the experts).
         weights, ids = route(logits, spec, correction)
         self._record_routing(logits, weights, ids)
-        out = Experts(spec, x.shape[-1], self.param_dtype, name="experts")(x, ids, weights)
+        return weights, ids
+
+    def _shared_partial(self, x):
+        """The shared expert's output before its sum over the devices, scaled by its gate."""
+        spec = self.spec
+        shared, _ = GatedMLP(spec.shared_intermediate_size, self.hidden_act, False, self.param_dtype, reduce=False,
+                             name=spec.shared_expert_name)(x)
+        if spec.shared_expert_gated:
+            shared = jax.nn.sigmoid(Linear(1, False, self.param_dtype, name="shared_expert_gate")(x)) * shared
+        return shared
+
+    @nn.compact
+    def __call__(self, x):
+        spec = self.spec
+        weights, ids = self._route(x)
+        experts = Experts(spec, x.shape[-1], self.param_dtype, name="experts")
+        out, axis = experts(x, ids, weights), _routed_axis()
         if spec.shared_intermediate_size:
-            shared, _ = GatedMLP(spec.shared_intermediate_size, self.hidden_act, False, self.param_dtype,
-                                 name=spec.shared_expert_name)(x)
-            if spec.shared_expert_gated:
-                shared = jax.nn.sigmoid(Linear(1, False, self.param_dtype, name="shared_expert_gate")(x)) * shared
-            out = out + shared
-        return out
+            shared = self._shared_partial(x)
+            if _same_devices(axis, MLP):  # one sum for the sublayer
+                out = out + shared
+            else:
+                out, axis = local.sum_over(out, axis) + local.sum_over(shared, MLP), None
+        if axis is not None:
+            out = local.sum_over(out, axis)
+        return experts.add_down_bias(out, ids, weights)
 
 
 class Experts(nn.Module):
+    """The stacked routed experts, as this device holds them: every expert's slice of the width
+    (tensor parallel) or its whole experts (expert parallel). ``__call__`` gives this device's partial
+    output; the caller sums it over the devices and then calls ``add_down_bias``."""
+
     spec: MoESpec
     hidden: int
     param_dtype: jnp.dtype = jnp.float32
@@ -132,22 +160,45 @@ class Experts(nn.Module):
         spec, hidden = self.spec, self.hidden
         e, i = spec.num_experts, spec.intermediate_size
         init = nn.initializers.normal(0.02)
-        self.gate = self.param("gate_proj", init, (e, i, hidden), self.param_dtype)
-        self.up = self.param("up_proj", init, (e, i, hidden), self.param_dtype)
-        self.down = self.param("down_proj", init, (e, hidden, i), self.param_dtype)
+        param = lambda name, init, shape, axes: local.param(self, name, init, shape, axes, self.param_dtype)  # noqa: E731
+        self.gate = param("gate_proj", init, (e, i, hidden), (EXPERTS, EXPERT_MLP, None))
+        self.up = param("up_proj", init, (e, i, hidden), (EXPERTS, EXPERT_MLP, None))
+        self.down = param("down_proj", init, (e, hidden, i), (EXPERTS, None, EXPERT_MLP))
         self.biases = {}
         if spec.expert_bias:
             zeros = nn.initializers.zeros
-            self.biases = dict(gate_bias=self.param("gate_proj_bias", zeros, (e, i), self.param_dtype),
-                               up_bias=self.param("up_proj_bias", zeros, (e, i), self.param_dtype),
-                               down_bias=self.param("down_proj_bias", zeros, (e, hidden), self.param_dtype))
+            self.biases = dict(gate_bias=param("gate_proj_bias", zeros, (e, i), (EXPERTS, EXPERT_MLP)),
+                               up_bias=param("up_proj_bias", zeros, (e, i), (EXPERTS, EXPERT_MLP)),
+                               down_bias=param("down_proj_bias", zeros, (e, hidden), (EXPERTS, None)))
 
-    def weights(self):
-        """(gate, up, down) for ops that run the experts themselves."""
-        return self.gate, self.up, self.down
+    def _down_bias_after_sum(self) -> bool:
+        """Whether the down bias waits for the sum over the devices: with the width split, every device
+        computes part of every expert's row, so the bias may be added only once, after."""
+        return "down_bias" in self.biases and local.ways(EXPERT_MLP) > 1
+
+    def _local_ids(self, ids):
+        """Routed ids as this device's expert indices; -1 (dropped) for experts other devices hold."""
+        held = self.gate.shape[0]
+        if held == self.spec.num_experts:
+            return ids
+        mine = ids - local.index(EXPERTS) * held
+        return jnp.where((mine >= 0) & (mine < held), mine, -1)
 
     def __call__(self, x, ids, weights):
         spec = self.spec
+        biases = dict(self.biases)
+        if self._down_bias_after_sum():
+            del biases["down_bias"]
         # Routers pick top-k: a token's k experts are distinct, which the kernel's decode path uses.
-        return moe_ops.moe_mlp(x, ids, weights, self.gate, self.up, self.down, activation=spec.activation,
-                               alpha=spec.alpha, limit=spec.limit, distinct_experts=True, **self.biases)
+        return moe_ops.moe_mlp(x, self._local_ids(ids), weights, self.gate, self.up, self.down,
+                               activation=spec.activation, alpha=spec.alpha, limit=spec.limit,
+                               distinct_experts=True, **biases)
+
+    def add_down_bias(self, out, ids, weights):
+        """``out`` (summed over the devices) plus each token's weighted down biases where they were
+        left out of the partial outputs; the weights rounded to ``out``'s dtype, as the op rounds them."""
+        if not self._down_bias_after_sum():
+            return out
+        bias = self.biases["down_bias"].astype(out.dtype)[ids]  # [T, k, H]
+        scale = weights.astype(out.dtype)[..., None]
+        return out + (bias * scale).sum(axis=1)

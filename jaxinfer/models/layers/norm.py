@@ -8,6 +8,8 @@ import jax.numpy as jnp
 
 from jaxinfer.kernels import linear as linear_ops
 from jaxinfer.kernels import norm as norm_ops
+from jaxinfer.kernels.math import apply_norm_weight
+from jaxinfer.sharding import local
 
 
 class RMSNorm(nn.Module):
@@ -17,20 +19,38 @@ class RMSNorm(nn.Module):
     ``norm(x)`` returns the normalised ``x``; ``norm(x, residual)`` adds first and returns
     ``(rms_norm(x + residual), x + residual)``, the sum being the new residual stream (one kernel
     on the GPU).
+
+    ``axis``: the logical axis of the normalised dimension where it may be split (a norm over all
+    heads, as MiniMax's q/k norms): the mean of squares is then taken over every device's piece.
     """
 
     eps: float
     unit_offset: bool = False
     float32_weight: bool = False
     param_dtype: jnp.dtype = jnp.float32
+    axis: str | None = None
 
     @nn.compact
     def __call__(self, x, residual=None):
         init = nn.initializers.zeros if self.unit_offset else nn.initializers.ones
-        weight = self.param("weight", init, (x.shape[-1],), self.param_dtype)
+        pieces = local.ways(self.axis)
+        weight = local.param(self, "weight", init, (x.shape[-1] * pieces,), (self.axis,), self.param_dtype)
+        if pieces > 1:
+            if residual is not None:
+                raise ValueError("a norm over a split dimension takes no residual")
+            return _rms_norm_over_pieces(x, weight, self.eps, self.axis, unit_offset=self.unit_offset,
+                                         float32_weight=self.float32_weight)
         normed, summed = norm_ops.add_rms_norm(x, residual, weight, self.eps, unit_offset=self.unit_offset,
                                                float32_weight=self.float32_weight)
         return normed if residual is None else (normed, summed)
+
+
+def _rms_norm_over_pieces(x, weight, eps, axis, **options):
+    """``rms_norm`` of a row split over the devices along ``axis``: each normalises its piece by the
+    whole row's mean square."""
+    x32 = x.astype(jnp.float32)
+    mean_square = local.sum_over(jnp.sum(x32 * x32, axis=-1, keepdims=True), axis) / (x.shape[-1] * local.ways(axis))
+    return apply_norm_weight(x32 * jax.lax.rsqrt(mean_square + eps), weight, x.dtype, **options)
 
 
 class GatedRMSNorm(nn.Module):

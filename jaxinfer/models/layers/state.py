@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxinfer.cache.metadata import AttentionMetadata
+from jaxinfer.cache.metadata import StepMetadata
 
 
 def _per_sequence(mask, like):
     return mask.reshape(-1, *([1] * (like.ndim - 1)))
 
 
-def sequence_states(pool, md: AttentionMetadata):
+def sequence_states(pool, md: StepMetadata):
     """Each sequence's state at the start of the step: [S, *state] from ``pool`` [N, *state]."""
     slots = md.state_slots
     states = pool[jnp.maximum(slots, 0)]
@@ -27,7 +27,7 @@ def sequence_states(pool, md: AttentionMetadata):
     return jnp.where(_per_sequence(keep, states), states, jnp.zeros((), pool.dtype))
 
 
-def store_states(pool, md: AttentionMetadata, states):
+def store_states(pool, md: StepMetadata, states):
     """``pool`` with each sequence's state after the step written to its slot (sequences without
     tokens in the step, and padding sequences, write nothing)."""
     has_tokens = (md.query_start[1:] > md.query_start[:-1]) & (md.state_slots >= 0)
@@ -35,7 +35,7 @@ def store_states(pool, md: AttentionMetadata, states):
     return pool.at[target].set(states.astype(pool.dtype), mode="drop")
 
 
-def decode_slots(md: AttentionMetadata):
+def decode_slots(md: StepMetadata):
     """A decode step's slot per row: the row's sequence's, -1 for padding rows (finished rows of a
     decode loop included), which the decode ops neither read nor write."""
     return jnp.where(md.valid, md.state_slots, -1)
