@@ -220,6 +220,14 @@ def test_a_tampered_manifest_is_refused(exports, tmp_path, no_loading):
     _edit_manifest(options, lambda m: m["engine"].update(max_num_seqs=1, max_num_batched_tokens=16))
     with pytest.raises(ExportError, match="not the grid of its engine options"):
         LLM(path, executables=options)
+    mesh = _copy(export, tmp_path, "mesh")  # a mesh axis the engine does not know
+    _edit_manifest(mesh, lambda m: m["mesh"].update(axis_names=["data", "model", "pipeline"]))
+    with pytest.raises(ExportError, match="the manifest's mesh .* is malformed"):
+        LLM(path, executables=mesh)
+    axes = _copy(export, tmp_path, "axes")  # a logical axis no layer declares
+    _edit_manifest(axes, lambda m: m["params"][0].update(axes=["posix.system"] * len(m["params"][0]["shape"])))
+    with pytest.raises(ExportError, match="malformed logical axes"):
+        LLM(path, executables=axes)
     broken = _copy(export, tmp_path, "broken")
     with open(os.path.join(broken, MANIFEST_FILE), "r+") as f:
         f.truncate(100)

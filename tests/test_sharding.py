@@ -317,3 +317,18 @@ def test_info_gives_the_bytes_each_device_holds(tmp_path, capsys):
     assert "on each of 4 devices" in line and "KV heads on 2 device(s) each" in line
     assert main(["info", path, "--tensor-parallel-size", "3"]) == 2
     assert "num_key_value_heads (2) and tensor_parallel_size (3)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (("localhost:1234", 2, None), "need all three"),
+    (("localhost:1234", 2, 2), "an id in \\[0, count\\)"),
+    ((None, 2, 0), "give HOST:PORT"),
+])
+def test_incomplete_multi_host_arguments_are_a_config_error(arguments, message, monkeypatch):
+    from jaxinfer.engine import multihost
+    from jaxinfer.errors import ConfigError
+
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ConfigError, match=message):
+        multihost.initialize(*arguments)

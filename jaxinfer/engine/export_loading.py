@@ -47,10 +47,10 @@ class OpenExport:
         """The checkpoint's weights in the export's parameter layout, checked finite by its program."""
         manifest = self.programs.manifest
         mesh = self.plan.mesh
+        param_axes = {tuple(p["path"]): _logical_axes(p) for p in manifest.params}  # checked before any read
         check_finite = self.programs.load(CHECK_FINITE, (abstract_params(manifest, mesh),))
         params = load_params(manifest, self.checkpoint, self.model_cls, self.model_config, mesh, check_finite,
                              progress=progress)
-        param_axes = {tuple(p["path"]): _logical_axes(p) for p in manifest.params}
         return LoadedModel(path=self.path, config=self.model_config, model_cls=self.model_cls,
                            model=self.model_cls(self.model_config, self.dtype), params=params, plan=self.plan,
                            dtype=self.dtype, param_axes=param_axes)
