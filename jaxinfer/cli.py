@@ -57,9 +57,10 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="allow --max-model-len beyond the model's max_position_embeddings")
     p.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="devices each layer is split over: heads, MLP width, vocabulary (default 1)")
-    p.add_argument("--data-parallel-size", type=int, default=None, help="model replicas (only 1 is supported yet)")
+    p.add_argument("--data-parallel-size", type=int, default=None,
+                   help="ranks of --tensor-parallel-size devices, each serving its own sequences (default 1)")
     p.add_argument("--enable-expert-parallel", action="store_true",
-                   help="split MoE experts whole over the devices instead of by width")
+                   help="split MoE experts whole over all the devices instead of by width")
 
 
 def _model_path(args) -> str:
@@ -162,14 +163,15 @@ def cmd_info(args) -> int:
     print(f"layers:          {config.num_hidden_layers}, {config.num_attention_heads} q / "
           f"{config.num_key_value_heads} kv heads of {config.head_dim}")
     print(f"tokenizer:       {'yes' if has_tokenizer(path) else 'none (token-id prompts only)'}")
-    if engine.tensor_parallel_size > 1:
+    if engine.tensor_parallel_size * engine.data_parallel_size > 1:
         shapes, axes = declared_params(model_cls, config, dtype)
         plan = abstract_plan(model_cls, config, shapes, axes, **engine.parallelism())
         per_device = sum(bytes_per_device(s.shape, dtype, axes[path], plan) for path, s in shapes.items())
         # Loading reads one tensor at a time, a slice per device: the most host memory it holds at once.
         largest = plan.size * max(bytes_per_device(s.shape, s.dtype, axes[path], plan) for path, s in shapes.items())
         print(f"per device:      {per_device / 2**20:.1f} MiB of weights on each of {plan.size} devices "
-              f"(tensor_parallel_size={plan.tensor_parallel}, KV heads on {plan.mesh.shape['kv_replica']} "
+              f"(tensor_parallel_size={plan.tensor_parallel}, data_parallel_size={plan.data_parallel}, "
+              f"KV heads on {plan.mesh.shape['kv_replica']} "
               f"device(s) each{', experts split whole' if plan.expert_parallel else ''}); loading holds at most "
               f"{largest / 2**20:.1f} MiB of host memory at once (one tensor's slices)")
     print("cache:           per kind, over all layers:")

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
+from jax.sharding import PartitionSpec
 
 from jaxinfer.cache.layout import CacheLayout
 from jaxinfer.cache.metadata import StepMetadata
@@ -28,7 +29,7 @@ from jaxinfer.research.request import CAPTURES, CaptureRequest, layer_captures
 from jaxinfer.research.request import parse as parse_capture
 from jaxinfer.sharding.for_model import plan_for
 from jaxinfer.sharding.forward import REPLICATED, param_specs, sharded
-from jaxinfer.sharding.plan import ShardingPlan
+from jaxinfer.sharding.plan import BATCH, ShardingPlan
 from jaxinfer.weights import TEXT_MODEL_LAYOUTS, SafetensorsCheckpoint, declared_params, load_params
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -112,21 +113,29 @@ class LoadedModel:
     def mesh(self) -> jax.sharding.Mesh:
         return self.plan.mesh
 
-    def per_device(self, fn, cache_specs, *, outputs=REPLICATED):
+    @property
+    def rows_spec(self) -> PartitionSpec:
+        """The ``PartitionSpec`` of a step's inputs and outputs split by row over the data-parallel ranks."""
+        return self.plan.spec((BATCH,))
+
+    def per_device(self, fn, cache_specs, *, rows=REPLICATED, outputs=REPLICATED):
         """``fn(params, token_ids, md, caches) -> (outputs, caches)`` run on each device's pieces
         (``jaxinfer.sharding.forward``): parameters and caches partitioned as declared (``cache_specs``:
-        the caches' ``PartitionSpec``s), the step inputs and ``outputs`` the same on every device."""
-        return sharded(self.plan, fn, in_specs=(param_specs(self.plan, self.param_axes), REPLICATED, REPLICATED,
-                                                cache_specs), out_specs=(outputs, cache_specs))
+        the caches' ``PartitionSpec``s), the step inputs as ``rows`` says (``rows_spec``: each
+        data-parallel rank its own rows; ``REPLICATED``: every rank all of them) and ``outputs`` put
+        together as it says."""
+        return sharded(self.plan, fn, in_specs=(param_specs(self.plan, self.param_axes), rows, rows, cache_specs),
+                       out_specs=(outputs, cache_specs))
 
     def check_partitioning(self, param_shapes: dict) -> None:
         """Trace the per-device forward abstractly (nothing is allocated): a count a layer cannot
         split over the plan's devices is a ``ConfigError`` here, before any weight is read."""
         from jaxinfer.weights import dummy_inputs
 
-        token_ids, md, caches = dummy_inputs(self.model_cls, self.config)
-        layout = CacheLayout(self.model_cls.cache_specs(self.config), page_size=1, num_pages=1, dtype=jnp.float32,
-                             num_slots=1)
+        token_ids, md, _ = dummy_inputs(self.model_cls, self.config)
+        ranks = self.plan.data_parallel  # one page and slot per rank
+        layout = CacheLayout(self.model_cls.cache_specs(self.config), page_size=1, num_pages=ranks,
+                             dtype=jnp.float32, num_slots=ranks)
         for layer in range(len(layout.layer_specs)):
             for name, (shape, _, axes) in layout.layer_arrays(layer).items():
                 uneven = [f"dim {d} ({n}, {a})" for d, (n, a) in enumerate(zip(shape, axes))
@@ -136,7 +145,8 @@ class LoadedModel:
                                       f"tensor_parallel_size = {self.plan.tensor_parallel}: {', '.join(uneven)}; "
                                       "choose a tensor_parallel_size that divides its head count")
         params = traverse_util.unflatten_dict(param_shapes)
-        jax.eval_shape(lambda p: self.apply(p, token_ids, md, caches, layout.partition_specs(self.plan)), params)
+        jax.eval_shape(lambda p: self.apply(p, token_ids, md, layout.zeros(), layout.partition_specs(self.plan)),
+                       params)
 
     def apply(self, params, token_ids, md: StepMetadata, caches, cache_specs, *, all_logits: bool = False):
         """The model function on the mesh: (params, inputs, caches) -> (float32 logits, caches)."""

@@ -375,7 +375,7 @@ def test_state_slots_and_pages_left_non_finite_are_safe_to_reuse(hf_checkpoint, 
     """A gated-DeltaNet hybrid served with ``A_log`` = 1e4 (decay -exp(1e4) = -Inf): every request
     ends with "error", and the caches it filled with NaN are re-made. Served right, shorter prompts on
     those slots and pages give the tokens they gave before."""
-    from tests.test_qwen3_next import HYBRID
+    from tests.families import HYBRID
 
     path, _ = hf_checkpoint("qwen3_5", **HYBRID)
     llm = LLM(path, warmup=False, **SMALL)

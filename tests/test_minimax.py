@@ -1,7 +1,7 @@
-"""MiniMax-Text-01 against transformers, and the engine over its lightning state slots: logits (HF's
-prefill runs block by block, the 40-token prompt spans three blocks), greedy tokens under strict
-mode with more sequences than slots, a mixed sampling workload, batching, chunked prefill and
-preemption; the RoPE rotates the whole head whatever the partial factor says."""
+"""MiniMax-Text-01 (whole-model parity: tests/test_parity.py) and the engine over its lightning state
+slots: greedy tokens as HF's under strict mode with more sequences than slots, a mixed sampling
+workload, batching, chunked prefill and preemption; the configs refused (the RoPE rotates the whole
+head whatever the partial factor says); the tiny checkpoint is an HF one."""
 
 from __future__ import annotations
 
@@ -13,16 +13,7 @@ from jaxinfer import LLM, load_model
 from jaxinfer.errors import ConfigError
 from tests.conftest import (assert_mixed_workload_runs, assert_serving_is_consistent,
                             assert_slots_handed_on_match_hf, random_prompts, strict_hybrid_engine)
-
-# Lightning / full / lightning (the last layer's decay is about 0); the residual factors all differ,
-# so a swap shows. HF's MiniMax RoPE ignores the partial factor: the parity below fails if only half
-# of each head is rotated.
-MINIMAX = dict(num_hidden_layers=3, head_dim=16,
-               layer_types=["linear_attention", "full_attention", "linear_attention"],
-               num_local_experts=6, num_experts_per_tok=2, block_size=16, initializer_range=0.1,
-               linear_attn_alpha_factor=1.5, linear_attn_beta_factor=0.7, full_attn_alpha_factor=1.2,
-               full_attn_beta_factor=0.9, mlp_alpha_factor=1.3, mlp_beta_factor=0.6,
-               rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+from tests.families import MINIMAX
 
 
 @pytest.fixture(scope="module")
@@ -35,15 +26,6 @@ def strict_engine(minimax):
     """Shapes as ``assert_serving_is_consistent``'s first engine: its compiles are then cache reads."""
     path, _ = minimax
     return strict_hybrid_engine(path)
-
-
-@pytest.mark.parametrize("overrides", [{}, dict(sliding_window=8)], ids=["full", "sliding"])
-def test_logits_match_hf(hf_checkpoint, overrides):
-    path, hf_model = hf_checkpoint("minimax", **MINIMAX, **overrides)
-    ids = random_prompts([40], seed=1)[0]
-    with torch.no_grad():
-        ref = hf_model(torch.tensor([ids])).logits[0].numpy()
-    np.testing.assert_allclose(load_model(path, dtype="float32").logits(ids), ref, atol=1e-4, rtol=0)
 
 
 def test_greedy_tokens_match_hf_with_slots_handed_on(minimax, strict_engine):

@@ -1,8 +1,7 @@
-"""Multi-head latent attention families against transformers: DeepSeek-V3 (with and without a q
-LoRA, YaRN with mscale, interleaved and plain RoPE, grouped routing, dense first layers, shared
-experts), a Sarvam-MLA config, and a Kimi-K2.5-style multimodal checkpoint (its text model); the engine
-over the latent cache (batching, chunked prefill, preemption); and tensor parallelism by head on a
-CPU mesh of fake devices."""
+"""Multi-head latent attention families (whole-model parity: tests/test_parity.py): YaRN's mscale, a
+Kimi-K2.5-style multimodal checkpoint against transformers (its text model), multi-token-prediction
+layers skipped; the engine over the latent cache (batching, chunked prefill, preemption, bfloat16);
+and tensor parallelism by head on a CPU mesh of fake devices."""
 
 from __future__ import annotations
 
@@ -17,27 +16,9 @@ import pytest
 import torch
 
 from jaxinfer import load_model
-from tests.conftest import (assert_greedy_matches_hf, assert_logits_and_greedy_match_hf,
-                            assert_serving_is_consistent, random_prompts)
-
-MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
-           moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-           routed_scaling_factor=2.5, first_k_dense_replace=1)
-YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32, mscale=1.0,
-            mscale_all_dim=0.8, beta_fast=32, beta_slow=1)
-CASES = {
-    "q-lora-yarn-interleaved-groups": ("deepseek_v3", dict(q_lora_rank=32, rope_parameters=YARN, n_group=2,
-                                                           topk_group=1)),
-    "no-q-lora-plain-rope": ("deepseek_v3", dict(q_lora_rank=None, rope_interleave=False, n_group=1, topk_group=1,
-                                                 n_shared_experts=2)),
-    "sarvam-mla": ("sarvam_mla", dict(q_lora_rank=None, n_group=1, topk_group=1)),
-}
-
-
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_logits_and_greedy_tokens_match_hf(case, hf_checkpoint):
-    family, overrides = CASES[case]
-    assert_logits_and_greedy_match_hf(*hf_checkpoint(family, **{**MLA, **overrides}))
+from tests.conftest import assert_greedy_matches_hf, assert_serving_is_consistent, random_prompts
+from tests.families import MLA
+from tests.families import MLA_CASES as CASES
 
 
 def test_mscale_changes_the_softmax_scale():

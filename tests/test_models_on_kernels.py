@@ -15,8 +15,7 @@ from jaxinfer.kernels import registry
 from jaxinfer.kernels.linear import reference as linear_reference
 from jaxinfer.kernels.linear import skinny_pallas
 from tests.conftest import assert_logits_and_greedy_match_hf
-from tests.test_moe import CASES as MOE_CASES
-from tests.test_moe import MOE
+from tests.families import MOE, MOE_CASES
 
 CASES = {
     "qwen3": ("qwen3", dict(head_dim=32, tie_word_embeddings=True)),  # per-head q/k norm in the RoPE kernel

@@ -1,5 +1,5 @@
-"""Mixture-of-experts: model parity against transformers, the MXFP4 loader, routers, the expert op (its
-dropped ids), and the block under tensor and expert parallelism."""
+"""Mixture-of-experts (whole-model parity: tests/test_parity.py): the MXFP4 loader against transformers,
+routers, the expert op (its dropped ids), and the block under tensor and expert parallelism."""
 
 from __future__ import annotations
 
@@ -21,33 +21,9 @@ from jaxinfer.kernels import registry
 from jaxinfer.kernels.moe import gated_activation, moe_mlp
 from jaxinfer.models.gpt_oss import FP4_VALUES, dequantize_mxfp4
 from jaxinfer.models.layers.moe import MoESpec, route
-from tests.conftest import assert_greedy_matches_hf, make_hf_checkpoint, random_prompts
-
-MOE = dict(head_dim=16, intermediate_size=48)
-CASES = {
-    # Sparse layer 0, dense layer 1 (mlp_only_layers); renormalised and raw top-k weights.
-    "qwen3_moe": ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                                    norm_topk_prob=True, mlp_only_layers=[1])),
-    "qwen3_moe-unnormalised": ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
-                                                 norm_topk_prob=False)),
-    # Partial RoPE from the legacy rotary_dim, whole-vector q/k norm, sigmoid + correction-bias routing.
-    "minimax_m2": ("minimax_m2", dict(num_local_experts=8, num_experts_per_tok=2, rotary_dim=8, bos_token_id=1,
-                                      eos_token_id=2)),
-    # Sinks, sliding window (8) shorter than the prompt on even layers, YaRN, biased experts.
-    "gpt_oss": ("gpt_oss", dict(num_local_experts=8, num_experts_per_tok=2, sliding_window=8)),
-}
-
-
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_logits_and_greedy_tokens_match_hf(case, hf_checkpoint):
-    family, overrides = CASES[case]
-    path, hf_model = hf_checkpoint(family, **MOE, **overrides)
-    ids = random_prompts([40], seed=1)[0]
-    with torch.no_grad():
-        ref = hf_model(torch.tensor([ids])).logits[0].numpy()
-    np.testing.assert_allclose(load_model(path, dtype="float32").logits(ids), ref, atol=1e-4, rtol=0)
-
-    assert_greedy_matches_hf(path, hf_model, random_prompts([9, 26], seed=2), max_num_seqs=2)
+from tests.conftest import make_hf_checkpoint, random_prompts
+from tests.families import MOE
+from tests.families import MOE_CASES as CASES
 
 
 def _quantize_mxfp4(rng, experts, rows, cols):

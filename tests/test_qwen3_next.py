@@ -1,8 +1,8 @@
-"""The gated-DeltaNet hybrids (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) against transformers, and the
-engine over their state slots: logits, greedy tokens, strict mode with a mixed workload whose
-sequences outnumber the slots (slots handed to new sequences), batching, chunked prefill and
-preemption; the two projection layouts are not interchangeable; tensor parallelism by head on a CPU
-mesh of fake devices, with the recurrent states captured on it against HF's cache."""
+"""The gated-DeltaNet hybrids (Qwen3-Next, Qwen3.5, Qwen3.5-MoE; whole-model parity:
+tests/test_parity.py) and the engine over their state slots: greedy tokens as HF's under strict mode
+with more sequences than slots (slots handed to new sequences), a mixed workload, batching, chunked
+prefill and preemption; the two projection layouts are not interchangeable; tensor parallelism by
+head on a CPU mesh of fake devices, with the recurrent states captured on it against HF's cache."""
 
 from __future__ import annotations
 
@@ -18,26 +18,10 @@ import torch
 
 from jaxinfer import LLM, load_model
 from jaxinfer.errors import ConfigError
-from tests.conftest import (assert_greedy_matches_hf, assert_mixed_workload_runs, assert_serving_is_consistent,
-                            assert_slots_handed_on_match_hf, random_prompts, strict_hybrid_engine)
-
-# A DeltaNet layer and a gated full-attention layer; 2 key heads feeding 4 value heads; partial RoPE.
-HYBRID = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], head_dim=16,
-              linear_key_head_dim=16, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
-              linear_conv_kernel_dim=4, initializer_range=0.1,
-              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
-MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
-FAMILIES = {
-    "qwen3_next": dict(HYBRID, **MOE, decoder_sparse_step=2),  # a dense and a sparse layer
-    "qwen3_5": HYBRID,
-    "qwen3_5_moe": dict(HYBRID, **MOE),
-}
-
-
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def family(request, hf_checkpoint):
-    path, hf_model = hf_checkpoint(request.param, **FAMILIES[request.param])
-    return request.param, path, hf_model
+from tests.conftest import (assert_mixed_workload_runs, assert_serving_is_consistent, assert_slots_handed_on_match_hf,
+                            random_prompts, strict_hybrid_engine)
+from tests.families import GATED_DELTANET as FAMILIES
+from tests.families import HYBRID
 
 
 @pytest.fixture(scope="module")
@@ -48,19 +32,6 @@ def strict_next(hf_checkpoint):
     parity tests."""
     path, hf_model = hf_checkpoint("qwen3_next", **FAMILIES["qwen3_next"])
     return strict_hybrid_engine(path), hf_model
-
-
-def test_logits_match_hf(family):
-    _, path, hf_model = family
-    ids = random_prompts([40], seed=1)[0]
-    with torch.no_grad():
-        ref = hf_model(torch.tensor([ids])).logits[0].numpy()
-    np.testing.assert_allclose(load_model(path, dtype="float32").logits(ids), ref, atol=1e-4, rtol=0)
-
-
-@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe"])
-def test_greedy_tokens_match_hf(name, hf_checkpoint):
-    assert_greedy_matches_hf(*hf_checkpoint(name, **FAMILIES[name]), random_prompts([9, 26], seed=2), max_num_seqs=2)
 
 
 def test_greedy_tokens_match_hf_with_slots_handed_on(strict_next):

@@ -25,15 +25,8 @@ from jaxinfer.research import memory
 from jaxinfer.research.batch import pack
 from jaxinfer.research.request import CaptureRequest
 from tests.conftest import random_prompts
-from tests.test_gemma3 import CASES as GEMMA3
-from tests.test_kimi_linear import CONFIG as KIMI
-from tests.test_minimax import MINIMAX
-from tests.test_mla import CASES as MLA_CASES
-from tests.test_mla import MLA
-from tests.test_moe import CASES as MOE_CASES
-from tests.test_moe import MOE
-from tests.test_qwen3_next import FAMILIES as GATED_DELTANET
-from tests.test_sparse_mla import GLM5, V32
+from tests.families import GATED_DELTANET, GEMMA3, GLM5, MINIMAX, MLA, MLA_CASES, MOE, MOE_CASES, V32
+from tests.families import KIMI_LINEAR as KIMI
 
 # One checkpoint per family, configured as the family's own parity tests configure it (so a whole
 # test run builds each once).

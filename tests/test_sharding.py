@@ -1,13 +1,15 @@
-"""Tensor and expert parallelism for every tiny family, on a CPU mesh of 8 fake devices.
+"""Tensor, data and expert parallelism for every tiny family, on a CPU mesh of 8 fake devices.
 
 One subprocess (the device-count flag must precede jax's start) runs every check and writes its
-findings as JSON; the tests below read them. Per family: logits at TP = 2 and 4 (and, for MoE
-families, with expert parallelism at 2 and 4) against one device; the engine's greedy tokens at
-TP = 2 against one device's logits of the same sequence; every declared split is real (each device
-holds 1/ways of each split parameter and cache array). Once per mixer kind: the Pallas kernels, in
-interpret mode, inside the per-device forward. Then strict mode on a sharded engine, an export made
-on 4 devices served on 4 and refused on 2, the counts refused before loading, and two processes
-(4 devices each, TP = 8 across them) serving one device's greedy tokens.
+findings as JSON; the tests below read them. Per family: logits at TP = 2, TP = 4 and TP = 2 x DP = 2
+(and, for MoE families, with expert parallelism at 2, 4 and 2 x 2) against one device; the engine's
+greedy tokens at TP = 2 x DP = 2 (experts over all four devices for MoE families), with sequences on
+both ranks, against one device's logits of the same sequences; every declared split is real (each
+device holds 1/ways of each split parameter and cache array). Once per mixer kind: the Pallas
+kernels, in interpret mode, inside the per-device forward. Then strict mode on a sharded engine, an
+export made on 4 devices served on 4 and refused on 2, the counts refused before loading, and two
+processes (4 devices each: TP = 8 across them, or a TP = 4 rank in each with the experts over both)
+serving one device's greedy tokens.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import textwrap
 import pytest
 
 from jaxinfer.tiny import TINY_FAMILIES
+from tests.families import FAMILIES as PARITY_FAMILIES
 
 # Counts the tiny configs need to split 4 ways (heads of the linear-attention mixers), and MLA rope
 # dims the MLA kernels take (powers of two from 16).
@@ -34,7 +37,8 @@ OVERRIDES = {
     "kimi_linear": dict(linear_attn_config=dict(kda_layers=[1, 2, 3], full_attn_layers=[4], num_heads=4, head_dim=16,
                                                 short_conv_kernel_size=4)),
 }
-# Families whose caches are all MLA latents (and indexer keys): replicated, as declared.
+# Families whose caches are all MLA latents (and indexer keys): split by page over data-parallel
+# ranks only, as declared.
 REPLICATED_CACHES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
 MOE_FAMILIES = ("qwen3_moe", "minimax_m2", "gpt_oss", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "qwen3_5_moe",
                 "minimax", "kimi_linear")
@@ -51,7 +55,8 @@ KERNEL_OPS = {"gqa": {"attention.rotary_cache_write": "rotary", "attention.ragge
               "kda": {"kda.kda": "triton", "kda.recurrent_update": "triton"},
               "lightning": {"lightning.lightning_attention": "triton", "lightning.recurrent_update": "triton"},
               "moe": {"moe.moe_mlp": "grouped", "moe.route": "router"}}
-FAMILIES = sorted(TINY_FAMILIES)
+# The families of the parity module that the tiny checkpoint writer builds (all but the aliases).
+FAMILIES = [family for family in PARITY_FAMILIES if family in TINY_FAMILIES]
 
 SCRIPT = textwrap.dedent("""
     import json, sys
@@ -99,26 +104,36 @@ SCRIPT = textwrap.dedent("""
                 bad.append(i)
         return bad
 
+    prompts = [ids, ids[:4], ids[3:9]]
     for family in families:
         path = checkpoint(family)
         single = load_model(path)
         reference = single.logits(ids)
-        configs = [(2, False), (4, False)] + ([(2, True), (4, True)] if family in moe else [])
-        for tp, ep in configs:
-            name = f"{family}-tp{tp}{'-ep' if ep else ''}"
-            model = load_model(path, tensor_parallel_size=tp, enable_expert_parallel=ep)
+        configs = [(2, 1, False), (4, 1, False), (2, 2, False)]
+        configs += [(2, 1, True), (4, 1, True), (2, 2, True)] if family in moe else []
+        for tp, dp, ep in configs:
+            name = f"{family}-tp{tp}{f'-dp{dp}' if dp > 1 else ''}{'-ep' if ep else ''}"
+            model = load_model(path, tensor_parallel_size=tp, data_parallel_size=dp, enable_expert_parallel=ep)
             out["logits"][name] = float(np.abs(model.logits(ids) - reference).max())
             out["splits"][name] = param_splits(model)
-        llm = LLM(path, tensor_parallel_size=2, **engine_options)
-        tokens = [o.token_ids for o in llm.generate(prompt_token_ids=[ids, ids[:4]], sampling_params=greedy)]
-        plan, caches = llm.model.plan, llm.engine.runner.caches
+        # Two ranks of two devices, two sequences at most each: the three prompts run on both ranks.
+        llm = LLM(path, tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=family in moe,
+                  **engine_options)
+        engine = llm.engine
+        requests = [engine.make_request(p, greedy) for p in prompts]
+        for request in requests:
+            engine.add(request)
+        engine.run(requests)
+        plan, caches = llm.model.plan, engine.runner.caches
         cache_axes = {f"{i}/{name}": axes for i in range(len(caches))
-                      for name, (_, _, axes) in llm.engine.layout.layer_arrays(i).items()}
+                      for name, (_, _, axes) in engine.layout.layer_arrays(i).items()}
         flat_caches = {f"{i}/{name}": a for i, layer in enumerate(caches) for name, a in layer.items()}
         out["greedy"][family] = {
-            "mismatches": [near_tie_free(single.logits, p, t) for p, t in zip([ids, ids[:4]], tokens)],
+            "mismatches": [near_tie_free(single.logits, p, r.output_token_ids) for p, r in zip(prompts, requests)],
+            "lengths": [len(r.output_token_ids) for r in requests],
+            "ranks": sorted({r.rank for r in requests}),
             "cache_unsplit": unsplit(flat_caches, cache_axes.get, plan),
-            "cache_split": sum(any(plan.ways(a) > 1 for a in axes) for axes in cache_axes.values())}
+            "cache_specs": sorted({str(a.sharding.spec) for a in flat_caches.values()})}
 
     # The Pallas kernels in interpret mode, in a prefill forward and an engine's decode loop at TP = 2.
     short = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
@@ -140,8 +155,9 @@ SCRIPT = textwrap.dedent("""
 
     # Strict mode on a sharded engine: the warm-up compiles the grid; serving compiles nothing.
     path = checkpoint("qwen3")
-    strict = LLM(path, tensor_parallel_size=2, **{**engine_options, "warmup": True, "strict": True})
-    out["strict_tokens"] = [o.token_ids for o in strict.generate(prompt_token_ids=[ids], sampling_params=greedy)]
+    strict = LLM(path, tensor_parallel_size=2, data_parallel_size=2,
+                 **{**engine_options, "warmup": True, "strict": True})
+    out["strict_tokens"] = [o.token_ids for o in strict.generate(prompt_token_ids=prompts, sampling_params=greedy)]
 
     # An export made on 4 devices serves on 4 and is refused on 2.
     four = LLM(path, tensor_parallel_size=4, **engine_options)
@@ -159,7 +175,7 @@ SCRIPT = textwrap.dedent("""
     refused = {}
     for label, options in (("too_many_devices", dict(tensor_parallel_size=16)),
                            ("heads", dict(tensor_parallel_size=8)),
-                           ("data_parallel", dict(data_parallel_size=2))):
+                           ("data_parallel", dict(tensor_parallel_size=4, data_parallel_size=4))):
         try:
             load_model(path, **options)
             refused[label] = "loaded"
@@ -178,13 +194,12 @@ TWO_PROCESSES = textwrap.dedent("""
     import jax
     jax.config.update("jax_num_cpu_devices", 4)
     from jaxinfer import LLM, SamplingParams
-    process, port, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    llm = LLM(path, coordinator_address=f"localhost:{port}", num_processes=2, process_id=process,
-              tensor_parallel_size=8, max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16, warmup=False,
-              show_progress=False)
+    process, port, path, parallelism = int(sys.argv[1]), sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+    llm = LLM(path, coordinator_address=f"localhost:{port}", num_processes=2, process_id=process, **parallelism,
+              max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16, warmup=False, show_progress=False)
     ids = [5, 17, 99, 3, 42, 7, 250, 1, 60, 11, 4]
     if llm.is_leader:
-        outputs = llm.generate(prompt_token_ids=[ids, ids[:4]],
+        outputs = llm.generate(prompt_token_ids=[ids, ids[:4], ids[3:9]],
                                sampling_params=SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
         llm.shutdown()
         print(json.dumps([o.token_ids for o in outputs]))
@@ -198,7 +213,7 @@ ONE_DEVICE_CHECK = textwrap.dedent("""
     model = load_model(sys.argv[1])
     ids = [5, 17, 99, 3, 42, 7, 250, 1, 60, 11, 4]
     bad = []
-    for prompt, tokens in zip([ids, ids[:4]], json.loads(sys.argv[2])):
+    for prompt, tokens in zip([ids, ids[:4], ids[3:9]], json.loads(sys.argv[2])):
         logits = model.logits(prompt + tokens)
         bad += [(len(prompt), i) for i, t in enumerate(tokens) if logits[len(prompt) - 1 + i].max() - logits[len(prompt) - 1 + i][t] > 1e-4]
     print(json.dumps(bad))
@@ -223,8 +238,8 @@ def findings(tmp_path_factory):
 
 
 def _configs(family):
-    return [f"{family}-tp2", f"{family}-tp4"] + ([f"{family}-tp2-ep", f"{family}-tp4-ep"]
-                                                  if family in MOE_FAMILIES else [])
+    names = [f"{family}-tp2", f"{family}-tp4", f"{family}-tp2-dp2"]
+    return names + ([f"{name}-ep" for name in names] if family in MOE_FAMILIES else [])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -240,12 +255,17 @@ def test_every_declared_split_is_real(family, findings):
         assert splits["split"] > 0 and splits["unsplit"] == [], (name, splits)
     greedy = findings["greedy"][family]
     assert greedy["cache_unsplit"] == [], greedy
-    assert (greedy["cache_split"] == 0) == (family in REPLICATED_CACHES), greedy
+    # Pages and slots over the ranks; heads over the tensor devices, except MLA's latent rows.
+    assert all("'data'" in spec for spec in greedy["cache_specs"]), greedy
+    split_by_head = any("'model'" in spec for spec in greedy["cache_specs"])
+    assert split_by_head != (family in REPLICATED_CACHES), greedy
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_tokens_match_one_device(family, findings):
-    assert findings["greedy"][family]["mismatches"] == [[], []]
+    greedy = findings["greedy"][family]
+    assert greedy["ranks"] == [0, 1] and greedy["lengths"] == [6, 6, 6], greedy
+    assert greedy["mismatches"] == [[], [], []], greedy
 
 
 @pytest.mark.parametrize("kind", sorted(MIXER_KINDS))
@@ -257,7 +277,7 @@ def test_kernels_run_on_local_shapes_inside_the_per_device_forward(kind, finding
 
 
 def test_strict_mode_serves_a_sharded_engine(findings):
-    assert len(findings["strict_tokens"][0]) == 6
+    assert [len(tokens) for tokens in findings["strict_tokens"]] == [6, 6, 6]
 
 
 def test_an_export_serves_on_its_mesh_and_is_refused_on_another(findings):
@@ -269,7 +289,7 @@ def test_counts_that_cannot_work_are_refused_before_loading(findings):
     refused = findings["refused"]
     assert "needs 16 devices; 8 are available" in refused["too_many_devices"]
     assert "4 heads" in refused["heads"] and "do not split over 8 devices" in refused["heads"]
-    assert "data parallelism is not supported yet" in refused["data_parallel"]
+    assert "4 x 4 needs 16 devices; 8 are available" in refused["data_parallel"]
 
 
 def test_a_vocabulary_that_does_not_split_stays_replicated(findings):
@@ -282,22 +302,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_serve_the_tokens_of_one(tmp_path):
+@pytest.mark.parametrize("family, parallelism", [
+    ("llama", dict(tensor_parallel_size=8)),  # each layer split over both processes' devices
+    # A data-parallel rank per process, its layers split over its 4 devices, the experts over all 8.
+    ("qwen3_moe", dict(tensor_parallel_size=4, data_parallel_size=2, enable_expert_parallel=True)),
+])
+def test_two_processes_serve_the_tokens_of_one(family, parallelism, tmp_path):
     from jaxinfer.tiny import write_tiny_checkpoint
 
-    path = write_tiny_checkpoint(tmp_path / "ckpt", "llama", with_tokenizer=False, max_position_embeddings=64,
+    path = write_tiny_checkpoint(tmp_path / "ckpt", family, with_tokenizer=False, max_position_embeddings=64,
                                  vocab_size=264, num_attention_heads=8)
-    port = str(_free_port())
-    follower = subprocess.Popen([sys.executable, "-c", TWO_PROCESSES, "1", port, path], env=_env(None),
+    port, parallelism = str(_free_port()), json.dumps(parallelism)
+    follower = subprocess.Popen([sys.executable, "-c", TWO_PROCESSES, "1", port, path, parallelism], env=_env(None),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    leader = subprocess.run([sys.executable, "-c", TWO_PROCESSES, "0", port, path], env=_env(None),
+    leader = subprocess.run([sys.executable, "-c", TWO_PROCESSES, "0", port, path, parallelism], env=_env(None),
                             capture_output=True, text=True, timeout=600)
     follower_out, follower_err = follower.communicate(timeout=120)
     assert leader.returncode == 0, leader.stderr[-3000:]
     assert follower.returncode == 0, follower_err[-3000:]
     assert json.loads(follower_out.strip().splitlines()[-1])["calls"] > 1
     tokens = json.loads(leader.stdout.strip().splitlines()[-1])
-    assert [len(t) for t in tokens] == [6, 6]
+    assert [len(t) for t in tokens] == [6, 6, 6]
     # Each token is one device's greedy choice for its prefix (up to a near tie).
     check = subprocess.run([sys.executable, "-c", ONE_DEVICE_CHECK, path, json.dumps(tokens)], env=_env(None),
                            capture_output=True, text=True, timeout=600)
@@ -315,6 +340,9 @@ def test_info_gives_the_bytes_each_device_holds(tmp_path, capsys):
     assert main(["info", path, "--tensor-parallel-size", "4"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("per device:"))
     assert "on each of 4 devices" in line and "KV heads on 2 device(s) each" in line
+    assert main(["info", path, "--tensor-parallel-size", "2", "--data-parallel-size", "2"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("per device:"))
+    assert "on each of 4 devices" in line and "data_parallel_size=2" in line
     assert main(["info", path, "--tensor-parallel-size", "3"]) == 2
     assert "num_key_value_heads (2) and tensor_parallel_size (3)" in capsys.readouterr().err
 

@@ -1,8 +1,8 @@
-"""DeepSeek sparse attention: DeepSeek-V3.2 and GLM-5 against transformers (logits, greedy tokens,
-the indexer's selections), the engine over the latent and indexer key caches (batching, chunked
-prefill, preemption), the ops: the query-tiled path equals the reference, ties go to the lower
-position, a long prompt's prefill stays within the memory of its tiles; and tensor parallelism by
-head with the indexer replicated."""
+"""DeepSeek sparse attention (whole-model parity: tests/test_parity.py): DeepSeek-V3.2's and GLM-5's
+indexer selections against transformers', the engine over the latent and indexer key caches
+(batching, chunked prefill, preemption), the ops: the query-tiled path equals the reference, ties go
+to the lower position, a long prompt's prefill stays within the memory of its tiles; and tensor
+parallelism by head with the indexer replicated."""
 
 from __future__ import annotations
 
@@ -17,31 +17,9 @@ from jaxinfer import load_model
 from jaxinfer.kernels import registry
 from jaxinfer.kernels import sparse_mla as sparse_ops
 from jaxinfer.kernels.sparse_mla import attention_pallas, indexer_pallas, reference, tiled
-from tests.conftest import assert_logits_and_greedy_match_hf, assert_serving_is_consistent, random_prompts
+from tests.conftest import assert_serving_is_consistent, random_prompts
+from tests.families import GLM5, V32
 from tests.test_mla import assert_split_by_head, run_tensor_parallel
-
-# 16 indexer heads (with few, ReLU zeroes many scores and ties decide); index_topk below the prompts.
-V32 = dict(num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
-           moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-           routed_scaling_factor=2.5, first_k_dense_replace=1, q_lora_rank=32, n_group=2, topk_group=1,
-           index_n_heads=16, index_head_dim=16, index_topk=8)
-YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32, mscale=1.0,
-            mscale_all_dim=0.8, beta_fast=32, beta_slow=1)
-# GLM-5: interleaved indexer RoPE; "shared" layers reuse the last full layer's selection.
-GLM5 = dict({k: v for k, v in V32.items() if k not in ("n_group", "topk_group")}, num_hidden_layers=4,
-            indexer_types=["full", "shared", "full", "shared"])
-CASES = {
-    "deepseek_v32": ("deepseek_v32", V32),
-    "deepseek_v32-yarn-mlp-layer-types": ("deepseek_v32", dict(V32, rope_parameters=YARN, num_hidden_layers=3,
-                                                               mlp_layer_types=["dense", "sparse", "dense"])),
-    "glm_moe_dsa-shared-layers": ("glm_moe_dsa", GLM5),
-}
-
-
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_logits_and_greedy_tokens_match_hf(case, hf_checkpoint):
-    family, overrides = CASES[case]
-    assert_logits_and_greedy_match_hf(*hf_checkpoint(family, **overrides))
 
 
 @pytest.mark.parametrize("family, overrides", [("deepseek_v32", V32), ("glm_moe_dsa", GLM5)])

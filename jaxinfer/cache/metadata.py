@@ -24,8 +24,9 @@ from flax import struct
 
 @struct.dataclass
 class StepMetadata:
-    """One step's metadata, read by every mixer (attention, MLA, the linear-attention layers) and
-    replicated on every device."""
+    """One step's metadata, read by every mixer (attention, MLA, the linear-attention layers): the
+    same on every device of a data-parallel rank; each rank holds its own rows
+    (``build_ranks_metadata``)."""
 
     positions: jax.Array  # [T] int32
     slot_mapping: jax.Array  # [T] int32, -1 for padding
@@ -90,3 +91,21 @@ def build_metadata(num_computed, num_new, block_tables, *, page_size: int, num_t
         valid=valid, query_start=query_start, state_slots=state_slots, fresh=(num_computed == 0) & (num_new > 0),
         decode=decode,
     )
+
+
+def build_ranks_metadata(ranks: int, num_computed, num_new, block_tables, *, page_size: int, num_tokens: int,
+                         state_slots=None, decode: bool = False, xp=np) -> StepMetadata:
+    """The metadata of a step of ``ranks`` data-parallel ranks side by side: every per-sequence array
+    holds ``ranks`` equal parts (rank ``r``'s sequences), ``num_tokens`` is one rank's token rows.
+    Each rank's metadata is ``build_metadata``'s for its own part (token rows, pages and slots
+    counted from 0 in the rank), and each field is the ranks' fields end to end, so that splitting
+    every field into ``ranks`` equal parts gives each rank its own."""
+    if ranks == 1:
+        return build_metadata(num_computed, num_new, block_tables, page_size=page_size, num_tokens=num_tokens,
+                              state_slots=state_slots, decode=decode, xp=xp)
+    seqs = num_computed.shape[0] // ranks
+    part = lambda a, r: None if a is None else a[r * seqs:(r + 1) * seqs]  # noqa: E731
+    parts = [build_metadata(part(num_computed, r), part(num_new, r), part(block_tables, r), page_size=page_size,
+                            num_tokens=num_tokens, state_slots=part(state_slots, r), decode=decode, xp=xp)
+             for r in range(ranks)]
+    return jax.tree.map(lambda *fields: xp.concatenate(fields), *parts)

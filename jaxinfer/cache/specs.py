@@ -16,7 +16,8 @@ Kinds:
   layer's recurrent and conv state); a slot handed to a new sequence starts from zeros.
 
 Each array declares the logical axis of each dimension (``jaxinfer.sharding.plan``); the plan maps
-them to the mesh.
+them to the mesh. The pool's pages (``PAGES``) and slots (``SLOTS``) are split over data-parallel
+ranks: each rank's block tables and slot ids index its own part.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import dataclasses
 import math
 
 import numpy as np
-from jaxinfer.sharding.plan import KV_HEADS
+from jaxinfer.sharding.plan import KV_HEADS, PAGES, SLOTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +77,7 @@ class PagedKV(CacheSpec):
     def arrays(self, sizes):
         shape = (self.num_kv_heads, sizes.num_pages, sizes.page_size, self.head_dim)
         # Split by KV head, as the k/v projections that write them.
-        axes = (KV_HEADS, None, None, None)
+        axes = (KV_HEADS, PAGES, None, None)
         return {"k": (shape, None, axes), "v": (shape, None, axes)}
 
 
@@ -88,7 +89,7 @@ class PagedLatent(CacheSpec):
     def arrays(self, sizes):
         # No head axis: every head reads the same latent rows, so tensor parallelism replicates them.
         return {"latent": ((sizes.num_pages, sizes.page_size, self.latent_dim + self.rope_dim), None,
-                           (None, None, None))}
+                           (PAGES, None, None))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +100,7 @@ class PagedSide(CacheSpec):
 
     def arrays(self, sizes):
         own = np.dtype(self.dtype) if self.dtype else None
-        return {self.name: ((sizes.num_pages, sizes.page_size, self.width), own, (None, None, None))}
+        return {self.name: ((sizes.num_pages, sizes.page_size, self.width), own, (PAGES, None, None))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,5 +114,5 @@ class StateSlots(CacheSpec):
     paged = False
 
     def arrays(self, sizes):
-        return {name: ((sizes.num_slots, *shape), np.dtype(dtype) if dtype else None, (None, *axes))
+        return {name: ((sizes.num_slots, *shape), np.dtype(dtype) if dtype else None, (SLOTS, *axes))
                 for name, shape, dtype, axes in self.states}

@@ -18,6 +18,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 8192
     # Serve a max_model_len beyond the model's max_position_embeddings (positions it was not trained on).
     allow_long_max_model_len: bool = False
+    # Sequences, tokens and pages are each data-parallel rank's (as vLLM's per-rank engines count them).
     max_num_seqs: int = 8  # sequences per step
     max_num_batched_tokens: int = 512  # tokens per mixed (prefill) step
     page_size: int = DEFAULT_PAGE_SIZE
@@ -37,7 +38,7 @@ class EngineConfig:
     seed: int = 0  # base of the per-request seeds for requests that give none
     show_progress: bool = True
     tensor_parallel_size: int = 1  # devices each layer is split over (heads, MLP width, vocabulary)
-    data_parallel_size: int = 1  # replicas of the model splitting the sequences (not supported yet: must be 1)
+    data_parallel_size: int = 1  # ranks of tensor_parallel_size devices, each serving its own sequences
     enable_expert_parallel: bool = False  # MoE experts split whole over the devices instead of by width
 
     def validate(self) -> None:

@@ -31,7 +31,7 @@ from jaxinfer.engine.detokenizer import IncrementalDetokenizer
 from jaxinfer.engine.request import Request, RequestStatus
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.sampling import NONFINITE_TOKEN, SamplingParams
-from jaxinfer.engine.scheduler import DecodeBatch, MixedBatch, Scheduler
+from jaxinfer.engine.scheduler import DecodeBatch, MixedBatch, Scheduler, rank_rows
 from jaxinfer.errors import ConfigError, InvalidRequestError
 from jaxinfer.generation_config import GenerationDefaults
 from jaxinfer.loader import LoadedModel, validate_token_ids
@@ -120,14 +120,16 @@ class Engine:
             enable_compilation_cache(config.cache_dir())
         self.model = model
         specs = model.model_cls.cache_specs(model.config)
+        # Pages, slots and sequences are per data-parallel rank; the cache arrays hold every rank's.
         config.num_pages, num_slots = plan_cache(config, specs, model.dtype, memory.available_bytes())
+        ranks = model.plan.data_parallel
         self.config = config
-        self.layout = CacheLayout(specs, config.page_size, config.num_pages, model.dtype, num_slots)
+        self.layout = CacheLayout(specs, config.page_size, config.num_pages * ranks, model.dtype, num_slots * ranks)
         self.generation_defaults = generation_defaults or GenerationDefaults.read(model.path, model.config.vocab_size)
         self.eos_token_ids = _eos_token_ids(model, self.generation_defaults, tokenizer)
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(config, PageAllocator(config.num_pages), SlotAllocator(num_slots) if num_slots else None,
-                                   window=_common_window(specs))
+        self.scheduler = Scheduler(config, PageAllocator(config.num_pages, ranks),
+                                   SlotAllocator(num_slots, ranks) if num_slots else None, window=_common_window(specs))
         self.runner = ModelRunner(model, config, self.layout)
         self.grid = BucketGrid.from_config(config)
         self._next_id = 0
@@ -345,11 +347,12 @@ class Engine:
         self._recover_caches()
 
     def _run_mixed(self, batch: MixedBatch) -> list[Request]:
-        key = CompileKey(MIXED, bucket_for(batch.num_tokens, self.grid.token_buckets),
+        key = CompileKey(MIXED, bucket_for(batch.most_tokens_on_a_rank, self.grid.token_buckets),
                          self.config.max_num_seqs, self.config.max_pages_per_seq)
         tokens, logprobs = self.runner.run_mixed(key, batch.items)
         finished = []
-        for row, (r, n) in enumerate(batch.items):
+        rows = rank_rows([r for r, _ in batch.items], key.num_seqs)
+        for row, (r, n) in zip(rows, batch.items):
             r.num_computed += n
             if r.num_pending == 0:  # the whole sequence is in the cache: this row's sample is its next token
                 if self._append(r, int(tokens[row]), logprobs, (row,)):
@@ -359,11 +362,11 @@ class Engine:
     def _run_decode(self, batch: DecodeBatch) -> list[Request]:
         requests = batch.requests
         pages = max(len(r.pages) for r in requests)
-        num_seqs = bucket_for(len(requests), self.grid.seq_buckets)
+        num_seqs = bucket_for(batch.most_seqs_on_a_rank, self.grid.seq_buckets)
         key = CompileKey(DECODE, num_seqs, num_seqs, bucket_for(pages, self.grid.page_buckets))
         tokens, logprobs = self.runner.run_decode(key, requests)
         finished = []
-        for row, r in enumerate(requests):
+        for row, r in zip(rank_rows(requests, num_seqs), requests):
             for step in range(tokens.shape[0]):
                 token = int(tokens[step, row])
                 if token < 0 and token != NONFINITE_TOKEN:

@@ -35,6 +35,7 @@ class Request:
     pages: list[int] = dataclasses.field(default_factory=list)
     num_released_pages: int = 0  # leading pages given back after they slid out of every layer's window
     slot: int | None = None  # the state slot, for models with per-sequence state (held while running)
+    rank: int = 0  # the data-parallel rank whose pages, slot and step rows it has while running
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     error: str | None = None  # what failed, when finish_reason is "error"

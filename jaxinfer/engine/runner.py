@@ -15,8 +15,9 @@ that re-making the caches after a failed step compiles nothing, and an export ca
 
 Kernels are chosen for the runner's target (its mesh's devices) and the selection in force when it
 was made (``jaxinfer.kernels.registry``); ``kernel_choices`` keeps each program's. The model runs
-on each device's pieces (``jaxinfer.sharding.forward``); the step inputs, logits and sampled tokens
-are the same on every device.
+on each device's pieces (``jaxinfer.sharding.forward``). With ``D`` data-parallel ranks every step
+input holds ``D`` equal parts, one per rank (its token rows, its sequences, its page and slot ids),
+split over the ranks with the logits; the sampled tokens come back whole on every device.
 """
 
 from __future__ import annotations
@@ -27,13 +28,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import NamedSharding
 
 from jaxinfer.cache.layout import CacheLayout
-from jaxinfer.cache.metadata import StepMetadata, build_metadata
+from jaxinfer.cache.metadata import StepMetadata, build_ranks_metadata
 from jaxinfer.engine import multihost
 from jaxinfer.engine.aot import DECODE, MIXED, CompileKey
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.request import Request
+from jaxinfer.engine.scheduler import rank_rows
 from jaxinfer.engine.sampling import NONFINITE_TOKEN, SamplingBatch, sample, seed_key_data
 from jaxinfer.errors import CompilationAfterWarmupError
 from jaxinfer.kernels import registry as kernel_registry
@@ -61,7 +64,8 @@ def _fill_block_table(row: np.ndarray, pages: list[int]) -> None:
         row[len(pages):] = pages[-1]
 
 
-def _sampling_rows(requests: list[Request], num_rows: int) -> SamplingBatch:
+def _sampling_rows(requests: list[Request], num_rows: int, seqs_per_rank: int) -> SamplingBatch:
+    """The sampling settings of ``requests`` in their rows (``rank_rows``), greedy elsewhere."""
     temperature = np.zeros(num_rows, np.float32)
     top_k = np.zeros(num_rows, np.int32)
     top_p = np.ones(num_rows, np.float32)
@@ -69,7 +73,7 @@ def _sampling_rows(requests: list[Request], num_rows: int) -> SamplingBatch:
     key_data = np.zeros((num_rows, 2), np.uint32)
     counters = np.zeros(num_rows, np.int32)
     wants_logprobs = np.zeros(num_rows, bool)
-    for i, r in enumerate(requests):
+    for i, r in zip(rank_rows(requests, seqs_per_rank), requests):
         p = r.params
         temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, max(p.top_k, 0), p.top_p, p.min_p
         key_data[i] = seed_key_data(r.seed)
@@ -107,15 +111,20 @@ class ModelRunner:
         def forward(params, token_ids, md, caches):
             return self.model.model.apply({"params": params}, token_ids, md, caches)
         cache_specs = self.layout.partition_specs(self.model.plan)
-        return self.model.per_device(forward, cache_specs)(params, token_ids, md, caches)
+        rows = self.model.rows_spec
+        return self.model.per_device(forward, cache_specs, rows=rows, outputs=rows)(params, token_ids, md, caches)
+
+    def _whole(self, outputs):
+        """``outputs`` the same on every device (each process reads them whole)."""
+        return jax.lax.with_sharding_constraint(outputs, self.model.plan.replicated_sharding())
 
     def _mixed_step(self, params, caches, token_ids, md: StepMetadata, sampling: SamplingBatch):
         logits, caches = self._forward(params, token_ids, md, caches)
         tokens, logprobs = sample(logits, sampling, self.config.max_logprobs)
-        return caches, tokens, logprobs
+        return caches, *self._whole((tokens, logprobs))
 
     def _decode_loop(self, params, caches, state: DecodeState, sampling: SamplingBatch):
-        num_steps, page_size = self.config.decode_steps, self.layout.page_size
+        num_steps, page_size, ranks = self.config.decode_steps, self.layout.page_size, self.model.plan.data_parallel
         num_seqs = state.tokens.shape[0]
         out_tokens = jnp.full((num_steps, num_seqs), -1, jnp.int32)
         k = self.config.max_logprobs or 0
@@ -124,8 +133,9 @@ class ModelRunner:
 
         def step(all_greedy: bool, carry):
             i, caches, st, out_tokens, out_logprobs = carry
-            md = build_metadata(st.positions, st.active.astype(jnp.int32), st.block_tables, page_size=page_size,
-                                num_tokens=num_seqs, state_slots=st.state_slots, decode=True, xp=jnp)
+            md = build_ranks_metadata(ranks, st.positions, st.active.astype(jnp.int32), st.block_tables,
+                                      page_size=page_size, num_tokens=num_seqs // ranks, state_slots=st.state_slots,
+                                      decode=True, xp=jnp)
             logits, caches = self._forward(params, st.tokens, md, caches)
             tokens, logprobs = sample(logits, sampling.replace(counters=sampling.counters + i),
                                       self.config.max_logprobs, all_greedy)
@@ -158,38 +168,44 @@ class ModelRunner:
             carry = jax.lax.while_loop(functools.partial(keep_going, all_greedy == greedy_loop),
                                        functools.partial(step, greedy_loop), carry)
         _, caches, _, out_tokens, out_logprobs = carry
-        return caches, out_tokens, out_logprobs
+        return caches, *self._whole((out_tokens, out_logprobs))
 
     # ---- host-side inputs ----------------------------------------------------------------------
 
     def mixed_inputs(self, key: CompileKey, items: list[tuple[Request, int]]):
-        t, s, p = key.num_tokens, key.num_seqs, key.pages_per_seq
-        token_ids = np.zeros(t, np.int32)
+        """The inputs of a mixed step of ``key`` (whose sizes are each rank's) for ``items``, each in its
+        rank's part, in order."""
+        ranks = self.model.plan.data_parallel
+        t, s, p = key.num_tokens, key.num_seqs * ranks, key.pages_per_seq
+        token_ids = np.zeros(t * ranks, np.int32)
         num_computed = np.zeros(s, np.int32)
         num_new = np.zeros(s, np.int32)
         block_tables = np.zeros((s, p), np.int32)
         state_slots = np.full(s, -1, np.int32) if self.layout.num_slots else None
-        offset = 0
-        for row, (r, n) in enumerate(items):
-            token_ids[offset:offset + n] = r.tokens(r.num_computed, r.num_computed + n)
+        offsets = [rank * t for rank in range(ranks)]
+        for row, (r, n) in zip(rank_rows([r for r, _ in items], key.num_seqs), items):
+            token_ids[offsets[r.rank]:offsets[r.rank] + n] = r.tokens(r.num_computed, r.num_computed + n)
             num_computed[row], num_new[row] = r.num_computed, n
             _fill_block_table(block_tables[row], r.pages)
             if state_slots is not None:
                 state_slots[row] = r.slot
-            offset += n
-        md = build_metadata(num_computed, num_new, block_tables, page_size=self.layout.page_size, num_tokens=t,
-                            state_slots=state_slots)
-        return token_ids, md, _sampling_rows([r for r, _ in items], s)
+            offsets[r.rank] += n
+        md = build_ranks_metadata(ranks, num_computed, num_new, block_tables, page_size=self.layout.page_size,
+                                  num_tokens=t, state_slots=state_slots)
+        return token_ids, md, _sampling_rows([r for r, _ in items], s, key.num_seqs)
 
     def decode_inputs(self, key: CompileKey, requests: list[Request]):
-        s, p, k = key.num_seqs, key.pages_per_seq, self.config.max_stop_token_ids
+        """The inputs of a decode loop of ``key`` (whose sizes are each rank's) for ``requests``."""
+        ranks = self.model.plan.data_parallel
+        s, p, k = key.num_seqs * ranks, key.pages_per_seq, self.config.max_stop_token_ids
         tokens = np.zeros(s, np.int32)
         positions = np.zeros(s, np.int32)
         block_tables = np.zeros((s, p), np.int32)
         active = np.zeros(s, bool)
         remaining = np.zeros(s, np.int32)
         stop_ids = np.full((s, k), -1, np.int32)
-        for row, r in enumerate(requests):
+        rows = rank_rows(requests, key.num_seqs)
+        for row, r in zip(rows, requests):
             tokens[row] = r.token_at(r.num_tokens - 1)
             positions[row] = r.num_computed
             _fill_block_table(block_tables[row], r.pages)
@@ -199,9 +215,9 @@ class ModelRunner:
         state_slots = None
         if self.layout.num_slots:
             state_slots = np.full(s, -1, np.int32)
-            state_slots[:len(requests)] = [r.slot for r in requests]
+            state_slots[rows] = [r.slot for r in requests]
         state = DecodeState(tokens, positions, block_tables, active, remaining, stop_ids, state_slots)
-        return state, _sampling_rows(requests, s)
+        return state, _sampling_rows(requests, s, key.num_seqs)
 
     def example_inputs(self, key: CompileKey):
         """Inputs of ``key``'s shapes for no request (what a program is traced against)."""
@@ -214,13 +230,17 @@ class ModelRunner:
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
                             self.model.params)
 
+    @property
+    def input_sharding(self) -> NamedSharding:
+        """Every step input's sharding: split by row over the data-parallel ranks."""
+        return NamedSharding(self.model.mesh, self.model.rows_spec)
+
     def abstract_args(self, key: CompileKey) -> tuple:
         """``(params, caches, *inputs)`` of the program of ``key``, as sharded ``ShapeDtypeStruct``s
         (built on the host: nothing is traced)."""
-        plan = self.model.plan
-        inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=plan.replicated_sharding()),
+        inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.input_sharding),
                               self.example_inputs(key))
-        return (self.abstract_params(), self.layout.abstract(plan), *inputs)
+        return (self.abstract_params(), self.layout.abstract(self.model.plan), *inputs)
 
     def traced_program(self, kind: str):
         """The jitted program of ``kind`` (``MIXED`` / ``DECODE``), to lower or export. Trace it
@@ -302,7 +322,7 @@ class ModelRunner:
                 raise CompilationAfterWarmupError(f"strict mode: {key} is not in the warm-up grid")
             self.compile(key)
             executable = self._executables[key]
-        inputs = jax.device_put(inputs, self.model.plan.replicated_sharding())
+        inputs = jax.device_put(inputs, self.input_sharding)
         self._call_in_flight = True
         self.caches, *outputs = executable(self.model.params, self.caches, *inputs)
         self._call_in_flight = False

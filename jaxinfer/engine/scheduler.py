@@ -13,6 +13,12 @@ no request is ever dropped. New requests are admitted first-come first-served wh
 pages and (for models with per-sequence state) state slots last. Where every paged layer reads only
 a sliding window, a sequence's pages that slid out of it go back to the pool before each step, so
 a sequence holds a bounded number of pages however long it grows.
+
+With data-parallel ranks (``PageAllocator.ranks > 1``) every rank has its own pages, state slots,
+``max_num_seqs`` sequences and ``max_num_batched_tokens`` tokens per step, as one engine each would;
+a request is admitted to the rank with the fewest running sequences that has room for it (most free
+pages first among equals), and preemption frees pages on the rank that needs them. All ranks run
+the same kind of call in a step.
 """
 
 from __future__ import annotations
@@ -33,11 +39,34 @@ class MixedBatch:
     def num_tokens(self) -> int:
         return sum(n for _, n in self.items)
 
+    @property
+    def most_tokens_on_a_rank(self) -> int:
+        """The tokens of the rank that computes the most (each rank's token rows are padded to it)."""
+        per_rank = collections.Counter()
+        for request, n in self.items:
+            per_rank[request.rank] += n
+        return max(per_rank.values(), default=0)
+
 
 @dataclasses.dataclass
 class DecodeBatch:
     requests: list[Request]
     num_steps: int
+
+    @property
+    def most_seqs_on_a_rank(self) -> int:
+        return max(collections.Counter(r.rank for r in self.requests).values(), default=0)
+
+
+def rank_rows(requests: list[Request], seqs_per_rank: int) -> list[int]:
+    """Each request's sequence row in a step whose rank ``r`` holds rows ``[r * seqs_per_rank, (r + 1)
+    * seqs_per_rank)``, the requests of one rank in their order."""
+    used = collections.Counter()
+    rows = []
+    for request in requests:
+        rows.append(request.rank * seqs_per_rank + used[request.rank])
+        used[request.rank] += 1
+    return rows
 
 
 class Scheduler:
@@ -50,6 +79,7 @@ class Scheduler:
         self.allocator = allocator
         self.slots = slots  # None: the model keeps no per-sequence state
         self.window = window
+        self.ranks = allocator.ranks
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
 
@@ -64,17 +94,17 @@ class Scheduler:
 
     def _try_grow(self, request: Request, num_tokens_in_cache: int) -> bool:
         need = self._pages_needed(request, num_tokens_in_cache)
-        if not self.allocator.can_allocate(need):
+        if not self.allocator.can_allocate(need, request.rank):
             return False
-        request.pages.extend(self.allocator.allocate(need))
+        request.pages.extend(self.allocator.allocate(need, request.rank))
         return True
 
     def _release(self, request: Request) -> None:
-        self.allocator.free(request.pages[request.num_released_pages:])
+        self.allocator.free(request.pages[request.num_released_pages:], request.rank)
         request.pages = []
         request.num_released_pages = 0
         if self.slots is not None:
-            self.slots.free(request.slot)
+            self.slots.free(request.slot, request.rank)
         request.slot = None
 
     def _preempt(self, request: Request) -> None:
@@ -86,9 +116,10 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _grow_or_preempt(self, request: Request, num_tokens_in_cache: int) -> bool:
-        """Make room for ``request`` by preempting newer requests; False if it was preempted itself."""
+        """Make room for ``request`` by preempting newer requests of its rank; False if it was preempted
+        itself."""
         while not self._try_grow(request, num_tokens_in_cache):
-            victim = self.running[-1]
+            victim = [r for r in self.running if r.rank == request.rank][-1]
             self._preempt(victim)
             if victim is request:
                 return False
@@ -120,7 +151,7 @@ class Scheduler:
         dead = max(0, (request.num_computed - self.window + 1) // self.config.page_size)
         dead = min(dead, len(request.pages))
         if dead > request.num_released_pages:
-            self.allocator.free(request.pages[request.num_released_pages:dead])
+            self.allocator.free(request.pages[request.num_released_pages:dead], request.rank)
             request.num_released_pages = dead
 
     def schedule(self) -> MixedBatch | DecodeBatch | None:
@@ -133,38 +164,48 @@ class Scheduler:
             return self._schedule_mixed()
         return self._schedule_decode()
 
-    def _slot_free(self) -> bool:
-        return self.slots is None or self.slots.num_free > 0
+    def _rank_for(self, request: Request, budgets: list[int]) -> int | None:
+        """The rank to admit ``request`` to in a step that leaves ``budgets`` tokens per rank: one with
+        a free sequence row and state slot, budget left, and the pages of its first chunk (the fewest
+        running sequences first, then the most free pages); None when no rank has room."""
+        running = collections.Counter(r.rank for r in self.running)
+        fits = [rank for rank in range(self.ranks)
+                if budgets[rank] > 0 and running[rank] < self.config.max_num_seqs
+                and (self.slots is None or self.slots.num_free_on(rank) > 0)
+                and self.allocator.can_allocate(self._pages_needed(request, min(request.num_pending, budgets[rank])),
+                                                rank)]
+        return min(fits, key=lambda rank: (running[rank], -self.allocator.num_free_on(rank)), default=None)
 
     def _can_admit(self) -> bool:
-        if not self.waiting or len(self.running) >= self.config.max_num_seqs or not self._slot_free():
+        if not self.waiting:
             return False
-        head = self.waiting[0]
-        first_chunk = min(head.num_pending, self.config.max_num_batched_tokens)
-        return self.allocator.can_allocate(self._pages_needed(head, first_chunk))
+        return self._rank_for(self.waiting[0], [self.config.max_num_batched_tokens] * self.ranks) is not None
 
     def _schedule_mixed(self) -> MixedBatch:
-        budget = self.config.max_num_batched_tokens
+        budgets = [self.config.max_num_batched_tokens] * self.ranks
         items: list[tuple[Request, int]] = []
         for request in list(self.running):
-            if request.status is not RequestStatus.RUNNING or budget == 0:
+            if request.status is not RequestStatus.RUNNING or budgets[request.rank] == 0:
                 continue  # preempted while making room for an earlier one, or no budget left
-            n = min(request.num_pending, budget)
+            n = min(request.num_pending, budgets[request.rank])
             if self._grow_or_preempt(request, request.num_computed + n):
                 items.append((request, n))
-                budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and self._slot_free():
+                budgets[request.rank] -= n
+        while self.waiting:
             request = self.waiting[0]
-            n = min(request.num_pending, budget)
-            if not self._try_grow(request, request.num_computed + n):
+            rank = self._rank_for(request, budgets)
+            if rank is None:
                 break
+            request.rank = rank
+            n = min(request.num_pending, budgets[rank])
+            self._try_grow(request, request.num_computed + n)  # the pages _rank_for found
             self.waiting.popleft()
             if self.slots is not None:
-                request.slot = self.slots.allocate()
+                request.slot = self.slots.allocate(rank)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             items.append((request, n))
-            budget -= n
+            budgets[rank] -= n
         return MixedBatch(items)
 
     def _schedule_decode(self) -> DecodeBatch:

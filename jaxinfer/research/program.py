@@ -98,7 +98,10 @@ def make_program(loaded, chosen: kernel_registry.Selection, request: CaptureRequ
 
     def run(params, token_ids, num_new, block_tables, state_slots):
         num_seqs, pages_per_seq = block_tables.shape
-        layout = CacheLayout(layer_specs, PAGE_SIZE, num_seqs * pages_per_seq, dtype, num_slots=num_seqs)
+        # Every data-parallel rank runs the whole batch in its own part of the cache.
+        ranks = loaded.plan.data_parallel
+        layout = CacheLayout(layer_specs, PAGE_SIZE, ranks * num_seqs * pages_per_seq, dtype,
+                             num_slots=ranks * num_seqs)
         md = build_metadata(jnp.zeros_like(num_new), num_new, block_tables, page_size=PAGE_SIZE,
                             num_tokens=token_ids.shape[0], state_slots=state_slots, xp=jnp)
         def forward(params, token_ids, md, caches):

@@ -37,9 +37,6 @@ def plan_for(model_cls, config: ModelConfig, param_shapes: dict, param_axes: dic
         names = tuple(mesh.axis_names)
         data_parallel_size = mesh.shape[DATA] if DATA in names else 1
         tensor_parallel_size = mesh.devices.size // data_parallel_size
-    if data_parallel_size > 1:
-        raise ConfigError(f"data_parallel_size = {data_parallel_size}: data parallelism is not supported yet; "
-                          "use tensor_parallel_size (and --enable-expert-parallel for MoE models)")
     replicas = kv_replicas(tensor_parallel_size, kv_head_count(model_cls, config))
     mesh = (as_plan_mesh(mesh, replicas) if mesh is not None
             else make_mesh(tensor_parallel_size, data_parallel_size, kv_replicas=replicas))

@@ -49,18 +49,19 @@ def local(size: int, logical: str | None) -> int:
     pieces = ways(logical)
     if size % pieces:
         raise ConfigError(f"a layer's {size} {logical} ({FIELDS.get(logical, logical)}) do not split over {pieces} "
-                          f"devices: choose a tensor_parallel_size that divides them")
+                          f"devices: choose partition sizes that divide them")
     return size // pieces
 
 
-def _axes(logical: str) -> tuple[str, ...]:
+def mesh_axes(logical: str) -> tuple[str, ...]:
+    """The mesh axes ``logical`` is split over here (``()`` outside the sharded forward)."""
     plan = active()
     return plan.mesh_axes(logical) if plan is not None else ()
 
 
 def index(logical: str):
     """This device's piece number along ``logical`` (0 where it is whole), an int32 scalar."""
-    axes = _axes(logical)
+    axes = mesh_axes(logical)
     if not axes:
         return jnp.int32(0)
     return jax.lax.axis_index(axes).astype(jnp.int32)
@@ -68,13 +69,13 @@ def index(logical: str):
 
 def sum_over(x, logical: str):
     """The sum of ``x`` over the pieces of ``logical`` (a row-parallel projection's partial outputs)."""
-    axes = _axes(logical)
+    axes = mesh_axes(logical)
     return jax.lax.psum(x, axes) if axes else x
 
 
 def gather(x, logical: str, axis: int = -1):
     """The pieces of ``x`` along ``logical`` joined on ``axis`` (vocabulary-parallel logits)."""
-    axes = _axes(logical)
+    axes = mesh_axes(logical)
     if not axes:
         return x
     return jax.lax.all_gather(x, axes, axis=axis % x.ndim, tiled=True)

@@ -12,7 +12,10 @@ holds whole), and ``RULES`` says where each logical axis goes:
   query heads read it, as vLLM does. The tensor axis is then factored as ``(model, kv_replica)``;
   splits over the whole tensor axis use both;
 * expert parallelism moves the split from each expert's width (``EXPERT_MLP``) to the experts
-  themselves (``EXPERTS``);
+  themselves (``EXPERTS``), over every device (data-parallel ranks included, as vLLM does);
+* data parallelism (``D`` ranks of ``T`` devices) splits the step's rows (``BATCH``: its tokens and
+  sequences) and the cache pool (``PAGES``, ``SLOTS``): each rank serves its own sequences from its
+  own pages and state slots, with the weights replicated over the ranks (experts excepted);
 * everything else (the hidden size, MLA's latent, norms, routers) is replicated.
 
 A ``ShardingPlan`` is that table resolved for one config and mesh: it knows which logical axes are
@@ -46,16 +49,20 @@ KV_HEADS = "kv_heads"  # GQA key/value heads
 MLP = "mlp"  # a dense MLP's (or shared expert's) intermediate width
 EXPERTS = "experts"  # routed experts
 EXPERT_MLP = "expert_mlp"  # a routed expert's intermediate width
-LOGICAL_AXES = (VOCAB, HEADS, KV_HEADS, MLP, EXPERTS, EXPERT_MLP)
+BATCH = "batch"  # a step's token and sequence rows (its inputs, logits and samples)
+PAGES = "pages"  # the cache's pages
+SLOTS = "slots"  # the cache's per-sequence state slots
+LOGICAL_AXES = (VOCAB, HEADS, KV_HEADS, MLP, EXPERTS, EXPERT_MLP, BATCH, PAGES, SLOTS)
 
 WHOLE_TENSOR = (TENSOR, KV_REPLICA)
 
 
 def rules(expert_parallel: bool) -> dict[str, tuple[str, ...]]:
     """The rule table: logical axis -> the mesh axes it is split over (absent: replicated)."""
-    table = {VOCAB: WHOLE_TENSOR, HEADS: WHOLE_TENSOR, KV_HEADS: (TENSOR,), MLP: WHOLE_TENSOR}
+    table = {VOCAB: WHOLE_TENSOR, HEADS: WHOLE_TENSOR, KV_HEADS: (TENSOR,), MLP: WHOLE_TENSOR,
+             BATCH: (DATA,), PAGES: (DATA,), SLOTS: (DATA,)}
     if expert_parallel:
-        table[EXPERTS] = WHOLE_TENSOR
+        table[EXPERTS] = (DATA, *WHOLE_TENSOR)
     else:
         table[EXPERT_MLP] = WHOLE_TENSOR
     return table
@@ -162,7 +169,8 @@ def bytes_per_device(shape, dtype, logical_axes, plan: ShardingPlan) -> int:
 # What each logical axis usually is in a config, for error messages.
 FIELDS = {VOCAB: "vocab_size", HEADS: "num_attention_heads (or the linear-attention head counts)",
           KV_HEADS: "num_key_value_heads", MLP: "intermediate_size", EXPERTS: "the routed expert count",
-          EXPERT_MLP: "moe_intermediate_size"}
+          EXPERT_MLP: "moe_intermediate_size", BATCH: "the step's rows", PAGES: "num_pages",
+          SLOTS: "max_num_seqs"}
 
 
 def resolve(mesh: Mesh, param_axes: dict, param_shapes: dict, *, expert_parallel: bool = False) -> ShardingPlan:
@@ -189,6 +197,9 @@ def resolve(mesh: Mesh, param_axes: dict, param_shapes: dict, *, expert_parallel
                  for logical, names in uneven.items()]
         hint = "" if expert_parallel or EXPERT_MLP not in uneven else (
             "; with --enable-expert-parallel the experts are split whole instead of their width")
-        raise ConfigError(f"the model cannot be split over tensor_parallel_size = {plan.tensor_parallel}: "
-                          + "; ".join(parts) + f"; choose a tensor_parallel_size that divides them{hint}")
+        sizes = f"tensor_parallel_size = {plan.tensor_parallel}"
+        if plan.data_parallel > 1:
+            sizes += f", data_parallel_size = {plan.data_parallel}"
+        raise ConfigError(f"the model cannot be split over {sizes}: " + "; ".join(parts)
+                          + f"; choose sizes that divide them{hint}")
     return plan

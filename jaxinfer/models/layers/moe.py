@@ -14,13 +14,16 @@ activations are the same on every device, so every device routes every token the
 * Tensor parallel: each expert's width is split (``EXPERT_MLP``): a device runs every expert on its
   slice of ``I`` (the gated activation is elementwise over ``I``), giving a partial output that the
   sum over the devices completes; the down projection's bias is added once, after that sum.
-* Expert parallel: the experts are split whole (``EXPERTS``): device ``d`` holds experts
-  ``[d * E / T, (d + 1) * E / T)``. The tokens are already on every device, so the dispatch is local:
-  routed ids become local ids, and ids of other devices' experts become -1, which the expert op
-  drops (no rows, no blocks, a zero in its sum); the sum over the devices then combines each
-  token's experts (the all-gather + reduce-scatter scheme). Once tokens are split over data-parallel
-  ranks, an all-to-all dispatch (``jax.lax.ragged_all_to_all``) that sends each token only to the
-  devices of its experts pays off; the engine does not split tokens that way yet.
+* Expert parallel: the experts are split whole (``EXPERTS``) over all ``N`` devices: device ``d``
+  holds experts ``[d * E / N, (d + 1) * E / N)``. Within a data-parallel rank the tokens are on
+  every device; across ranks they are gathered first (each device then sees every rank's tokens).
+  The dispatch is then local: routed ids become local ids, and ids of other devices' experts become
+  -1, which the expert op drops (no rows, no blocks, a zero in its sum). Summing over the tensor
+  devices and reduce-scattering over the ranks (each rank keeps its own tokens' rows) combines
+  each token's experts: the all-gather + reduce-scatter scheme. Per device it moves ``2 (D - 1)``
+  times one rank's activations, against ``2 k (D - 1) / D`` for an all-to-all that sends each token
+  to the ranks of its ``k`` experts (``docs/sharding.md``): less while ``D < k`` (DeepSeek-V3, k = 8:
+  up to 8 ranks), with no capacity to pad and no ragged shapes.
 
 The shared expert's down projection is row-parallel over the same devices: its partial output (scaled
 by its gate, a per-token scalar of the replicated input) is added to the routed partial and the
@@ -40,7 +43,7 @@ from jaxinfer.models.layers import capture
 from jaxinfer.models.layers.linear import Linear
 from jaxinfer.models.layers.mlp import GatedMLP
 from jaxinfer.sharding import local
-from jaxinfer.sharding.plan import EXPERT_MLP, EXPERTS, MLP
+from jaxinfer.sharding.plan import BATCH, EXPERT_MLP, EXPERTS, MLP
 
 ROUTERS = moe_ops.ROUTERS
 
@@ -79,17 +82,14 @@ def route(logits, spec: MoESpec, correction_bias=None):
                          n_group=spec.n_group, topk_group=spec.topk_group, correction_bias=correction_bias)
 
 
+def _sum(x, axes: tuple[str, ...]):
+    return jax.lax.psum(x, axes) if axes else x
+
+
 def _routed_axis() -> str:
     """The logical axis the routed experts' partial outputs are summed over: the experts themselves
     under expert parallelism, else their width."""
     return EXPERTS if local.ways(EXPERTS) > 1 else EXPERT_MLP
-
-
-def _same_devices(a: str, b: str) -> bool:
-    """Whether logical axes ``a`` and ``b`` are split over the same mesh axes (so their partial outputs
-    may be added before one sum)."""
-    plan = local.active()
-    return plan is None or plan.mesh_axes(a) == plan.mesh_axes(b)
 
 
 class SparseMoE(nn.Module):
@@ -135,16 +135,23 @@ class SparseMoE(nn.Module):
         spec = self.spec
         weights, ids = self._route(x)
         experts = Experts(spec, x.shape[-1], self.param_dtype, name="experts")
-        out, axis = experts(x, ids, weights), _routed_axis()
+        summed_over = local.mesh_axes(_routed_axis())
+        # Data-parallel ranks whose experts differ: every rank's tokens reach every device.
+        ranks = tuple(a for a in local.mesh_axes(BATCH) if a in summed_over)
+        if ranks:
+            gather = lambda a: jax.lax.all_gather(a, ranks, axis=0, tiled=True)  # noqa: E731
+            out = experts(gather(x), gather(ids), gather(weights))
+            out = jax.lax.psum_scatter(out, ranks, scatter_dimension=0, tiled=True)  # each rank's own rows
+            summed_over = tuple(a for a in summed_over if a not in ranks)
+        else:
+            out = experts(x, ids, weights)
         if spec.shared_intermediate_size:
             shared = self._shared_partial(x)
-            if _same_devices(axis, MLP):  # one sum for the sublayer
+            if summed_over == local.mesh_axes(MLP):  # one sum for the sublayer
                 out = out + shared
             else:
-                out, axis = local.sum_over(out, axis) + local.sum_over(shared, MLP), None
-        if axis is not None:
-            out = local.sum_over(out, axis)
-        return experts.add_down_bias(out, ids, weights)
+                out, summed_over = _sum(out, summed_over) + local.sum_over(shared, MLP), ()
+        return experts.add_down_bias(_sum(out, summed_over), ids, weights)
 
 
 class Experts(nn.Module):
