@@ -160,6 +160,9 @@ def cmd_info(args) -> int:
     print(f"architecture:    {config.architecture} ({model_cls.__module__}:{model_cls.__name__})")
     print(f"parameters:      {num_params:,} ({weight_bytes / 2**20:.1f} MiB as {np.dtype(dtype).name})")
     print(f"checkpoint dtype {config.dtype or 'unspecified'}; serving dtype {np.dtype(dtype).name}")
+    if config.quantization is not None:
+        print(f"quantization:    {config.quantization.describe()}; {checkpoint.stored_bytes() / 2**20:.1f} MiB as "
+              f"stored, dequantized to {np.dtype(dtype).name} on load")
     print(f"layers:          {config.num_hidden_layers}, {config.num_attention_heads} q / "
           f"{config.num_key_value_heads} kv heads of {config.head_dim}")
     print(f"tokenizer:       {'yes' if has_tokenizer(path) else 'none (token-id prompts only)'}")

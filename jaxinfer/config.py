@@ -19,6 +19,7 @@ from typing import Any
 from jaxinfer import checks
 from jaxinfer.checkpoint_folder import CheckpointFolder
 from jaxinfer.errors import ConfigError
+from jaxinfer.quantization import parse as parse_quantization
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 _REQUIRED = object()
@@ -251,6 +252,7 @@ class ModelConfig:
     hf: Any = dataclasses.field(default=None, compare=False, repr=False)  # the transformers config object
     # The text config as config.json writes it, before transformers renames old values ("mamba").
     written: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    quantization: Any = None  # jaxinfer.quantization.Fp8Quantization of an fp8 checkpoint, else None
 
     def rope_for(self, layer_type: str | None) -> RopeConfig:
         """The RoPE of layers of ``layer_type`` ("sliding_attention", ...): its own where
@@ -331,6 +333,7 @@ class ModelConfig:
             )
         text = hf.get_text_config()
         raw = text.to_dict()
+        quantization = parse_quantization(written or {})
         if text is not hf:  # a multimodal wrapper: its text model's part
             written = (written or {}).get("text_config")
         # ``to_dict`` writes an ``attribute_map`` alias under its target's name (Kimi-Linear stores
@@ -386,6 +389,7 @@ class ModelConfig:
             extra=raw,
             hf=hf,
             written=written if isinstance(written, dict) else {},
+            quantization=quantization,
         )
 
     @classmethod

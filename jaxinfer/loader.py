@@ -23,6 +23,7 @@ from jaxinfer import checks
 from jaxinfer.checkpoint_folder import CheckpointFolder
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import ConfigError, InvalidRequestError
+from jaxinfer.quantization import Fp8Checkpoint
 from jaxinfer.registry import ModelRegistry
 from jaxinfer.research import forward as research_forward
 from jaxinfer.research.request import CAPTURES, CaptureRequest, layer_captures
@@ -208,6 +209,8 @@ def open_checkpoint(path: str | os.PathLike):
     model_cls = ModelRegistry.resolve(config.architecture)
     checkpoint = SafetensorsCheckpoint(folder)
     checkpoint.use_layout(TEXT_MODEL_LAYOUTS)
+    if config.quantization is not None:  # fp8 weights read as the floats they stand for
+        checkpoint = Fp8Checkpoint(checkpoint, config.quantization)
     model_cls.check_checkpoint_layout(config, checkpoint)
     model_cls.validate_config(config)
     return config, model_cls, checkpoint

@@ -12,6 +12,7 @@ reduction per tensor on the device refuses NaN / Inf weights.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -19,6 +20,7 @@ import re
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
+import ml_dtypes
 import numpy as np
 from flax import traverse_util
 from safetensors import safe_open
@@ -35,6 +37,8 @@ logger = logging.getLogger(__name__)
 INDEX_FILE = "model.safetensors.index.json"
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors dtype names a float weight may be stored in
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# Stored dtypes safetensors' numpy reader does not give: read from the file's bytes instead.
+FLOAT8_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 
 
 def _describe(items: list[str], limit: int = 12) -> str:
@@ -77,6 +81,8 @@ class SafetensorsCheckpoint:
                 )
             raise CheckpointError(f"no *.safetensors files in {self.path!r}")
         self._handles = {}
+        self._paths = {}  # file -> its real path
+        self._headers = {}  # file -> (where its data starts, its header), read when a float8 tensor is
         for name in files:
             real = folder.resolve(name, what="weight file")
             if real is None:
@@ -85,6 +91,7 @@ class SafetensorsCheckpoint:
                 self._handles[name] = safe_open(real, framework="numpy")
             except Exception as e:  # safetensors' own header validation
                 raise CheckpointError(f"{os.path.join(self.path, name)} is not a valid safetensors file: {e}") from e
+            self._paths[name] = real
         self._file_of = self._locate(weight_map)
         self._stored_name = {}  # canonical name -> name in the files, where a name layout renames
 
@@ -131,6 +138,23 @@ class SafetensorsCheckpoint:
     def _slice(self, name: str):
         return self._handles[self._file_of[name]].get_slice(self._stored_name.get(name, name))
 
+    def _float8(self, name: str) -> np.ndarray:
+        """A float8 tensor as a read-only memory map of its bytes (safetensors checked the header's
+        offsets when the file was opened)."""
+        file = self._file_of[name]
+        if file not in self._headers:
+            with open(self._paths[file], "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                self._headers[file] = (8 + size, json.loads(f.read(size)))
+        start, header = self._headers[file]
+        entry = header[self._stored_name.get(name, name)]
+        begin, end = entry["data_offsets"]
+        dtype = FLOAT8_DTYPES[entry["dtype"]]
+        if end == begin:
+            return np.zeros(entry["shape"], dtype)
+        data = np.memmap(self._paths[file], dtype=np.uint8, mode="r", offset=start + begin, shape=(end - begin,))
+        return data.view(dtype).reshape(entry["shape"])
+
     def names(self) -> list[str]:
         return sorted(self._file_of)
 
@@ -143,6 +167,9 @@ class SafetensorsCheckpoint:
 
     def read(self, name: str, index=None) -> np.ndarray:
         """The tensor (or the slice ``index`` of it) as a numpy array in its stored dtype."""
+        if self.dtype(name) in FLOAT8_DTYPES:
+            array = self._float8(name)
+            return np.array(array if index is None else array[index])
         if index is None:
             return self._handles[self._file_of[name]].get_tensor(self._stored_name.get(name, name))
         return self._slice(name)[index]

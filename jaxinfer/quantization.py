@@ -1,0 +1,235 @@
+"""Quantized checkpoints: what ``quantization_config`` says, and a view of the checkpoint that reads
+the quantized weights as the floats they stand for.
+
+fp8 (``quant_method: "fp8"``: transformers' fine-grained FP8, the DeepSeek-V3 / V3.2, Kimi K2.5,
+GLM-5-FP8, MiniMax-M2 and Qwen3 FP8 releases): a quantized linear's ``<m>.weight`` is float8 e4m3
+and ``<m>.weight_scale_inv`` (float32) holds one scale per ``weight_block_size = [bo, bi]`` block,
+``[ceil(out / bo), ceil(in / bi)]`` of them (the last block of a row or column may be ragged); with
+no block size, ``<m>.weight_scale`` is one scale for the whole tensor. The real weight is the fp8
+value times its block's scale, in float32 (DeepSeek's and vLLM's convention). Which linears are
+quantized is what the file holds: an fp8 weight and its scale. ``modules_to_not_convert`` /
+``ignored_layers`` must agree with it.
+
+``Fp8Checkpoint`` dequantizes on read, slice by slice (a device's slice of a weight reads only its
+rows and their scales), to float32; the loader casts to the serving dtype. Checked before anything
+is read, from the headers: every scale's shape and dtype, a quantized weight without its scale, a
+scale without its weight. Scale values (finite, positive) are checked as each tensor is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from jaxinfer.errors import CheckpointError, ConfigError
+
+FP8_DTYPE = "F8_E4M3"
+SCALE_DTYPES = ("F32", "BF16", "F16")
+BLOCK_SCALE = ".weight_scale_inv"  # per block
+TENSOR_SCALE = ".weight_scale"  # per tensor
+_ITEMSIZE = {"F8_E4M3": 1, "F8_E5M2": 1, "U8": 1, "I8": 1, "BOOL": 1, "F16": 2, "BF16": 2, "I16": 2, "F32": 4,
+             "I32": 4, "F64": 8, "I64": 8}
+SUPPORTED = "fp8 (block or per-tensor e4m3 weights with dynamic activations) and mxfp4 (GPT-OSS's experts)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Quantization:
+    """``quantization_config`` of an fp8 checkpoint: the block size (None: one scale per tensor) and
+    the modules it names as left unquantized."""
+
+    block: tuple[int, int] | None
+    not_converted: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        scales = f"one scale per {self.block[0]} x {self.block[1]} block" if self.block else "one scale per tensor"
+        return f"fp8 e4m3 weights, {scales}"
+
+
+def parse(written: dict) -> Fp8Quantization | None:
+    """The quantization of a checkpoint from its config.json (``written``; a multimodal config may
+    hold it in ``text_config``): an ``Fp8Quantization``, or None for an unquantized checkpoint (and
+    for mxfp4, which GPT-OSS's loader reads from the tensors' names). ``ConfigError`` naming the
+    field for anything else."""
+    raw = written.get("quantization_config")
+    if raw is None and isinstance(written.get("text_config"), dict):
+        raw = written["text_config"].get("quantization_config")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"quantization_config must be a JSON object, got {type(raw).__name__}")
+    method = raw.get("quant_method")
+    if method == "mxfp4":
+        return None
+    if method != "fp8":
+        raise ConfigError(f"quantization_config.quant_method {method!r} is not supported; supported: {SUPPORTED}")
+    fmt = raw.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ConfigError(f"quantization_config.fmt {fmt!r} is not supported: fp8 weights must be e4m3")
+    activations = raw.get("activation_scheme", "dynamic")
+    if activations != "dynamic":
+        raise ConfigError(f"quantization_config.activation_scheme {activations!r} is not supported: only "
+                          "'dynamic' (no activation scales in the checkpoint)")
+    block = raw.get("weight_block_size")
+    if block is not None:
+        if (not isinstance(block, (list, tuple)) or len(block) != 2
+                or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block)):
+            raise ConfigError(f"quantization_config.weight_block_size must be two positive integers [out, in], "
+                              f"got {block!r}")
+        block = (block[0], block[1])
+    not_converted = []
+    for key in ("modules_to_not_convert", "ignored_layers"):
+        names = raw.get(key) or []
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ConfigError(f"quantization_config.{key} must be a list of module names, got {names!r}")
+        not_converted += names
+    return Fp8Quantization(block, tuple(not_converted))
+
+
+def _scale_name(quantization: Fp8Quantization, weight: str) -> str:
+    return weight[:-len(".weight")] + (BLOCK_SCALE if quantization.block else TENSOR_SCALE)
+
+
+def _listed(module: str, names: tuple[str, ...]) -> bool:
+    """``module`` (``model.layers.0.mlp.gate``) is, or is inside, a listed module (``lm_head``,
+    ``model.layers.0.mlp.gate``, ``gate``)."""
+    return any(module == n or module.endswith("." + n) or module.startswith(n + ".") for n in names)
+
+
+class Fp8Checkpoint:
+    """A ``SafetensorsCheckpoint`` whose fp8 weights read as float32 (their scales applied) and whose
+    scale tensors are hidden: everything else reads as stored."""
+
+    def __init__(self, checkpoint, quantization: Fp8Quantization):
+        self._checkpoint = checkpoint
+        self.quantization = quantization
+        self.path = checkpoint.path
+        self._scales = self._check_headers()
+
+    def __getattr__(self, name):
+        return getattr(self._checkpoint, name)
+
+    def _check_headers(self) -> dict[str, str]:
+        """{fp8 weight: its scale tensor}, after the header checks."""
+        stored = self._checkpoint
+        names = set(stored.names())
+        quantization = self.quantization
+        suffix = BLOCK_SCALE if quantization.block else TENSOR_SCALE
+        other = TENSOR_SCALE if quantization.block else BLOCK_SCALE
+        problems, scales = [], {}
+        for name in sorted(names):
+            if name.endswith(other):
+                problems.append(f"{name}: a {'per-tensor' if quantization.block else 'per-block'} scale, but "
+                                f"quantization_config {'gives' if quantization.block else 'gives no'} "
+                                "weight_block_size")
+            elif name.endswith(suffix):
+                weight = name[:-len(suffix)] + ".weight"
+                if weight not in names:
+                    problems.append(f"{name}: a scale without its weight {weight}")
+                elif stored.dtype(weight) != FP8_DTYPE:
+                    problems.append(f"{name}: a scale for {weight}, which is stored as {stored.dtype(weight)}, "
+                                    "not fp8")
+            elif stored.dtype(name) == FP8_DTYPE:
+                scale = _scale_name(quantization, name)
+                module = name[:-len(".weight")] if name.endswith(".weight") else name
+                if not name.endswith(".weight") or len(stored.shape(name)) != 2:
+                    problems.append(f"{name}: fp8 is read for 2-D linear weights only, got shape "
+                                    f"{list(stored.shape(name))}")
+                elif scale not in names:
+                    problems.append(f"{name}: an fp8 weight without its scale {scale}")
+                elif _listed(module, quantization.not_converted):
+                    problems.append(f"{name}: stored in fp8, but quantization_config's modules_to_not_convert / "
+                                    f"ignored_layers lists {module}")
+                else:
+                    problem = self._check_scale(name, scale)
+                    if problem:
+                        problems.append(problem)
+                    else:
+                        scales[name] = scale
+        if problems:
+            shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+            raise CheckpointError(f"checkpoint {self.path!r} ({self.quantization.describe()}): {shown}")
+        return scales
+
+    def _check_scale(self, weight: str, scale: str) -> str | None:
+        stored = self._checkpoint
+        if stored.dtype(scale) not in SCALE_DTYPES:
+            return f"{scale}: scale dtype {stored.dtype(scale)}; expected one of {', '.join(SCALE_DTYPES)}"
+        shape, block = tuple(stored.shape(scale)), self.quantization.block
+        if block is None:
+            want = ((), (1,))
+            if shape not in want:
+                return f"{scale}: a per-tensor scale has shape [] or [1], got {list(shape)}"
+            return None
+        out, cols = stored.shape(weight)
+        want = (math.ceil(out / block[0]), math.ceil(cols / block[1]))
+        if shape != want:
+            return (f"{scale}: scale shape {list(shape)}, but {weight} of shape [{out}, {cols}] in "
+                    f"weight_block_size {list(block)} blocks needs {list(want)}")
+        return None
+
+    # ---- the SafetensorsCheckpoint interface ---------------------------------------------------
+
+    def names(self) -> list[str]:
+        hidden = set(self._scales.values())
+        return [n for n in self._checkpoint.names() if n not in hidden]
+
+    def dtype(self, name: str) -> str:
+        return "F32" if name in self._scales else self._checkpoint.dtype(name)
+
+    def stored_bytes(self) -> int:
+        """The bytes of every tensor as stored (fp8 weights, their scales, the rest)."""
+        stored = self._checkpoint
+        return sum(math.prod(stored.shape(n)) * _ITEMSIZE.get(stored.dtype(n), 4) for n in stored.names())
+
+    def read(self, name: str, index=None) -> np.ndarray:
+        if name not in self._scales:
+            return self._checkpoint.read(name, index)
+        shape = self._checkpoint.shape(name)
+        rows, cols = _ranges(index, shape)
+        values = self._checkpoint.read(name, (slice(*rows), slice(*cols))).astype(np.float32)
+        scale = self._read_scale(name, rows, cols)
+        out = values * scale
+        return out if index is None or _is_plain(index) else out[_rest(index)]
+
+    def _read_scale(self, name: str, rows, cols) -> np.ndarray:
+        """The scale of each element of ``name[rows, cols]``, after checking the values read."""
+        scale_name = self._scales[name]
+        block = self.quantization.block
+        if block is None:
+            scales = np.asarray(self._checkpoint.read(scale_name), np.float32).reshape(1, 1)
+        else:
+            scales = np.asarray(self._checkpoint.read(scale_name, (slice(rows[0] // block[0], -(-rows[1] // block[0])),
+                                                                    slice(cols[0] // block[1], -(-cols[1] // block[1])))),
+                                np.float32)
+        if not np.all(np.isfinite(scales) & (scales > 0)):
+            raise CheckpointError(f"{scale_name}: scales must be finite and positive; it holds "
+                                  f"{scales[~(np.isfinite(scales) & (scales > 0))][:4].tolist()}")
+        if block is None:
+            return scales
+        expanded = np.repeat(np.repeat(scales, block[0], axis=0), block[1], axis=1)
+        r0, c0 = rows[0] % block[0], cols[0] % block[1]
+        return expanded[r0:r0 + rows[1] - rows[0], c0:c0 + cols[1] - cols[0]]
+
+
+def _ranges(index, shape) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The (start, stop) rows and columns ``index`` (None, or slices with step 1) covers."""
+    parts = tuple(index) if index is not None else ()
+    parts += (slice(None),) * (2 - len(parts))
+    out = []
+    for part, size in zip(parts[:2], shape):
+        start, stop, step = part.indices(size) if isinstance(part, slice) else (0, size, 1)
+        out.append((start, stop) if step == 1 else (0, size))
+    return tuple(out)
+
+
+def _is_plain(index) -> bool:
+    """Whether ``index`` is only step-1 slices of the two dimensions (``_ranges`` covered it)."""
+    parts = tuple(index)
+    return len(parts) <= 2 and all(isinstance(p, slice) and p.step in (None, 1) for p in parts)
+
+
+def _rest(index):
+    """What is left of ``index`` once its step-1 slices were applied (a strided or integer index)."""
+    return tuple(p if not (isinstance(p, slice) and p.step in (None, 1)) else slice(None) for p in tuple(index))

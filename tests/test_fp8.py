@@ -1,0 +1,195 @@
+"""Fine-grained FP8 checkpoints (``quant_method: fp8``, as transformers and the hub's DeepSeek-V3 and
+Qwen3-FP8 store them): e4m3 Linear weights with float32 scales per block or per tensor, dequantised on
+load. Parity against HF run on the dequantised weights; checkpoints whose scales or quantization_config
+are malformed are refused, naming the tensor or key."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from jaxinfer import load_model
+from jaxinfer.errors import CheckpointError, ConfigError
+from tests.conftest import assert_logits_and_greedy_match_hf, make_hf_checkpoint, random_prompts
+from tests.families import MLA, MLA_CASES, MOE, MOE_CASES
+
+E4M3_MAX = 448.0
+# Divides none of the tiny models' widths (16 ... 112): every matrix ends in ragged blocks.
+BLOCK = (20, 28)
+
+CASES = {
+    "llama": ("llama", {}),
+    "qwen3_moe": ("qwen3_moe", dict(MOE, **MOE_CASES["qwen3_moe"][1])),
+    "deepseek_v3": ("deepseek_v3", dict(MLA, **MLA_CASES["q-lora-yarn-interleaved-groups"][1])),
+}
+
+
+def quantize(w: torch.Tensor, block):
+    """-> (e4m3 values, float32 scales, the dequantised weight) of ``w`` [out, in]: a scale of
+    max |w| / 448 per ``block`` (rows, cols), the last ones ragged, or one for the tensor (None)."""
+    if block is None:
+        scale = w.abs().max() / E4M3_MAX
+        q = (w / scale).to(torch.float8_e4m3fn)
+        return q, scale, q.float() * scale
+    (rows, cols), (bo, bi) = w.shape, block
+    padded = torch.zeros(-(-rows // bo) * bo, -(-cols // bi) * bi)
+    padded[:rows, :cols] = w
+    scale = padded.reshape(padded.shape[0] // bo, bo, padded.shape[1] // bi, bi).abs().amax(dim=(1, 3)) / E4M3_MAX
+    expanded = scale.repeat_interleave(bo, 0).repeat_interleave(bi, 1)[:rows, :cols]
+    q = (w / expanded).to(torch.float8_e4m3fn)
+    return q, scale, q.float() * expanded
+
+
+def hf_parameter(model, name: str) -> torch.Tensor:
+    """The HF parameter (or view of one) that the saved tensor ``name`` holds: experts saved one by one
+    are slices of HF's fused ``gate_up_proj`` / ``down_proj`` [experts, out, in]."""
+    m = re.fullmatch(r"(.+\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", name)
+    if m is None:
+        return model.get_parameter(name)
+    prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
+    if proj == "down":
+        return model.get_parameter(f"{prefix}.down_proj")[expert]
+    gate_up = model.get_parameter(f"{prefix}.gate_up_proj")[expert]
+    half = gate_up.shape[0] // 2
+    return gate_up[:half] if proj == "gate" else gate_up[half:]
+
+
+def write_fp8_checkpoint(path, family: str, block=BLOCK, not_converted=(), **overrides):
+    """A random HF checkpoint of ``family`` whose decoder-layer Linear weights (2-D, routers aside) are
+    stored in e4m3 with ``weight_scale_inv`` per ``block`` or, for None, a ``weight_scale`` scalar;
+    modules named in ``not_converted`` stay float32 and are listed in ``modules_to_not_convert``.
+    -> (path, the HF model on the dequantised weights)."""
+    path, model = make_hf_checkpoint(path, family, **overrides)
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    with torch.no_grad():
+        for name, w in list(tensors.items()):
+            if (not name.startswith("model.layers.") or not name.endswith(".weight") or w.dim() != 2
+                    or name.endswith("mlp.gate.weight") or name[:-len(".weight")] in not_converted):
+                continue
+            q, scale, dequantised = quantize(w, block)
+            hf_parameter(model, name).copy_(dequantised)
+            tensors[name] = q
+            tensors[name + ("_scale_inv" if block else "_scale")] = scale
+    save_file(tensors, file, metadata={"format": "pt"})
+    quantization = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic")
+    if block:
+        quantization["weight_block_size"] = list(block)
+    if not_converted:
+        quantization["modules_to_not_convert"] = list(not_converted)
+    edit_config(path, quantization)
+    return path, model
+
+
+def edit_config(path, quantization: dict) -> None:
+    """Update config.json's quantization_config with ``quantization``."""
+    with open(os.path.join(path, "config.json")) as f:
+        raw = json.load(f)
+    raw["quantization_config"] = {**raw.get("quantization_config", {}), **quantization}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(raw, f, indent=2)
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    cache = {}
+
+    def get(case: str):
+        if case not in cache:
+            family, overrides = CASES[case]
+            cache[case] = write_fp8_checkpoint(tmp_path_factory.mktemp(f"fp8-{case}"), family, **overrides)
+        return cache[case]
+
+    return get
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_block_quantized_logits_and_greedy_tokens_match_hf(case, fp8_checkpoint):
+    assert_logits_and_greedy_match_hf(*fp8_checkpoint(case))
+
+
+def test_per_tensor_scales_and_modules_not_converted(tmp_path):
+    """One scale per weight; a decoder Linear (and lm_head) in modules_to_not_convert, stored in float32."""
+    path, hf_model = write_fp8_checkpoint(tmp_path, "llama", block=None,
+                                          not_converted=("lm_head", "model.layers.1.mlp.down_proj"))
+    ids = random_prompts([40], seed=1)[0]
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(load_model(path, dtype="float32").logits(ids), ref, atol=1e-4, rtol=0)
+
+
+Q, K = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj"
+O, DOWN = "model.layers.1.self_attn.o_proj", "model.layers.1.mlp.down_proj"
+
+
+def with_first(scale: torch.Tensor, value: float) -> torch.Tensor:
+    scale = scale.clone()
+    scale[0, 0] = value
+    return scale
+
+
+# Case -> ({tensor: its replacement, a function of the stored one (None where absent); None removes
+# it}, the tensor the error names, a word of the error).
+BAD_TENSORS = {
+    "scale-of-the-wrong-shape": ({f"{Q}.weight_scale_inv": lambda s: s[:, :-1].clone()}, f"{Q}.weight_scale_inv",
+                                 "shape"),
+    "weight-without-its-scale": ({f"{DOWN}.weight_scale_inv": lambda s: None}, f"{DOWN}.weight", "scale"),
+    "scale-without-its-weight": ({"model.layers.0.self_attn.qkv_proj.weight_scale_inv": lambda s: torch.ones(8, 3)},
+                                 "model.layers.0.self_attn.qkv_proj.weight_scale_inv", ""),
+    "integer-scale": ({f"{K}.weight_scale_inv": lambda s: torch.ones_like(s, dtype=torch.int32)},
+                      f"{K}.weight_scale_inv", "dtype"),
+    **{f"scale-{value}": ({f"{O}.weight_scale_inv": lambda s, value=value: with_first(s, value)},
+                          f"{O}.weight_scale_inv", "positive") for value in (0.0, -1.0, float("nan"))},
+}
+
+
+def broken_copy(source, dest, tensors=None, quantization=None):
+    """A copy of the checkpoint ``source`` at ``dest``, its tensors replaced as ``tensors`` says (see
+    BAD_TENSORS) and its quantization_config updated with ``quantization``."""
+    shutil.copytree(source, dest)
+    if tensors:
+        file = os.path.join(dest, "model.safetensors")
+        stored = load_file(file)
+        for name, replace in tensors.items():
+            new = replace(stored.get(name))
+            if new is None:
+                del stored[name]
+            else:
+                stored[name] = new
+        save_file(stored, file, metadata={"format": "pt"})
+    if quantization:
+        edit_config(dest, quantization)
+    return str(dest)
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TENSORS))
+def test_bad_scales_are_refused_naming_the_tensor(case, fp8_checkpoint, tmp_path):
+    tensors, name, word = BAD_TENSORS[case]
+    path = broken_copy(fp8_checkpoint("llama")[0], tmp_path / "bad", tensors=tensors)
+    with pytest.raises(CheckpointError, match=re.escape(name) + (f".*{word}" if word else "")):
+        load_model(path)
+
+
+@pytest.mark.parametrize("quantization, match", [
+    (dict(quant_method="awq"), "quant_method"),
+    (dict(fmt="e5m2"), "fmt"),
+    (dict(weight_block_size=[0, 16]), "weight_block_size"),
+    (dict(weight_block_size=[20, 28, 1]), "weight_block_size"),
+], ids=["awq", "e5m2", "zero-block", "three-sizes"])
+def test_bad_quantization_config_is_refused(quantization, match, fp8_checkpoint, tmp_path):
+    path = broken_copy(fp8_checkpoint("llama")[0], tmp_path / "bad", quantization=quantization)
+    with pytest.raises(ConfigError, match=match):
+        load_model(path)
+
+
+def test_a_module_not_to_convert_stored_in_fp8_is_refused(fp8_checkpoint, tmp_path):
+    path = broken_copy(fp8_checkpoint("llama")[0], tmp_path / "bad", quantization=dict(modules_to_not_convert=[Q]))
+    with pytest.raises(CheckpointError, match=re.escape(f"{Q}.weight") + ".*modules_to_not_convert"):
+        load_model(path)
