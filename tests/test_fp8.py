@@ -125,6 +125,21 @@ def test_per_tensor_scales_and_modules_not_converted(tmp_path):
     np.testing.assert_allclose(load_model(path, dtype="float32").logits(ids), ref, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("rows, cols", [(slice(0, 32), slice(None)), (slice(32, 64), slice(None)),
+                                        (slice(None), slice(16, 48)), (slice(8, 56), slice(30, 31))])
+def test_a_slice_reads_as_that_slice_of_the_whole_weight(rows, cols, fp8_checkpoint):
+    """What one device reads of a split weight (its rows or columns, across block boundaries) equals
+    that part of the whole dequantised weight, and the whole equals HF's."""
+    from jaxinfer.loader import open_checkpoint
+
+    path, hf_model = fp8_checkpoint("llama")
+    _, _, checkpoint = open_checkpoint(path)
+    name = "model.layers.1.self_attn.o_proj.weight"  # [64, 64]: blocks of 20 x 28 straddle every split
+    whole = checkpoint.read(name)
+    np.testing.assert_array_equal(whole, hf_parameter(hf_model, name).detach().numpy())
+    np.testing.assert_array_equal(checkpoint.read(name, (rows, cols)), whole[rows, cols])
+
+
 Q, K = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj"
 O, DOWN = "model.layers.1.self_attn.o_proj", "model.layers.1.mlp.down_proj"
 
