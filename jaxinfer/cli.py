@@ -41,8 +41,14 @@ def printable(text: str) -> str:
     return "".join(f"\\x{ord(ch):02x}" if ord(ch) in _CONTROL else ch for ch in text)
 
 
+def _quantization(args) -> str | None:
+    return None if args.quantization == "none" else args.quantization
+
+
 def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), bfloat16, float16 or float32")
+    p.add_argument("--quantization", default="auto", choices=["auto", "none"],
+                   help="auto: an fp8 checkpoint's weights stay fp8 on the device; none: dequantized to --dtype")
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt+output (default: the model's, <= 8192)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step (default 8)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per prefill step (default 512)")
@@ -93,8 +99,9 @@ def cmd_generate(args) -> int:
         # One command's prompts need a few of the export's programs: load each on first use (a
         # strict engine loads them all at start-up).
         options.update(executables=args.executables, warmup=bool(args.strict))
-    llm = LLM(_model_path(args), args.dtype, coordinator_address=args.coordinator_address,
-              num_processes=args.num_processes, process_id=args.process_id, **options)
+    llm = LLM(_model_path(args), args.dtype, quantization=_quantization(args),
+              coordinator_address=args.coordinator_address, num_processes=args.num_processes,
+              process_id=args.process_id, **options)
     if not llm.is_leader:  # another host's process: run what process 0 schedules
         llm.follow()
         return 0
@@ -161,8 +168,10 @@ def cmd_info(args) -> int:
     print(f"parameters:      {num_params:,} ({weight_bytes / 2**20:.1f} MiB as {np.dtype(dtype).name})")
     print(f"checkpoint dtype {config.dtype or 'unspecified'}; serving dtype {np.dtype(dtype).name}")
     if config.quantization is not None:
+        kept = ("kept in fp8 on the device where a layer takes it (--quantization none: dequantized to "
+                f"{np.dtype(dtype).name})" if _quantization(args) else f"dequantized to {np.dtype(dtype).name} on load")
         print(f"quantization:    {config.quantization.describe()}; {checkpoint.stored_bytes() / 2**20:.1f} MiB as "
-              f"stored, dequantized to {np.dtype(dtype).name} on load")
+              f"stored; {kept}")
     print(f"layers:          {config.num_hidden_layers}, {config.num_attention_heads} q / "
           f"{config.num_key_value_heads} kv heads of {config.head_dim}")
     print(f"tokenizer:       {'yes' if has_tokenizer(path) else 'none (token-id prompts only)'}")
@@ -204,7 +213,7 @@ def cmd_export(args) -> int:
     from jaxinfer import LLM
 
     # The export compiles every program itself (afresh): no warm-up first.
-    llm = LLM(_model_path(args), args.dtype, warmup=False, **_engine_options(args))
+    llm = LLM(_model_path(args), args.dtype, quantization=_quantization(args), warmup=False, **_engine_options(args))
     manifest = llm.export(args.out, portable=args.portable)
     forms = sorted({p.form for p in manifest.programs})
     print(f"wrote {len(manifest.programs)} programs ({', '.join(forms)}) and manifest.json to {args.out}")

@@ -125,7 +125,8 @@ class LoadedModel:
         the caches' ``PartitionSpec``s), the step inputs as ``rows`` says (``rows_spec``: each
         data-parallel rank its own rows; ``REPLICATED``: every rank all of them) and ``outputs`` put
         together as it says."""
-        return sharded(self.plan, fn, in_specs=(param_specs(self.plan, self.param_axes), rows, rows, cache_specs),
+        return sharded(self.plan, fn, in_specs=(param_specs(self.plan, self.param_axes, self.params), rows, rows,
+                                                cache_specs),
                        out_specs=(outputs, cache_specs))
 
     def check_partitioning(self, param_shapes: dict) -> None:
@@ -216,11 +217,24 @@ def open_checkpoint(path: str | os.PathLike):
     return config, model_cls, checkpoint
 
 
-def load_model(path: str | os.PathLike, dtype="float32", *, tensor_parallel_size: int = 1,
-               data_parallel_size: int = 1, enable_expert_parallel: bool = False, mesh=None,
-               progress: bool = False) -> LoadedModel:
+QUANTIZATION_MODES = ("auto", None)
+
+
+def check_quantization_mode(quantization) -> None:
+    """``ConfigError`` unless ``quantization`` is one of ``QUANTIZATION_MODES``."""
+    if not (quantization is None or (isinstance(quantization, str) and quantization in QUANTIZATION_MODES)):
+        raise ConfigError(f"quantization must be 'auto' (kept as the checkpoint stores it) or None (dequantized "
+                          f"to dtype on load), got {quantization!r}")
+
+
+def load_model(path: str | os.PathLike, dtype="float32", *, quantization: str | None = "auto",
+               tensor_parallel_size: int = 1, data_parallel_size: int = 1, enable_expert_parallel: bool = False,
+               mesh=None, progress: bool = False) -> LoadedModel:
     """The checkpoint at ``path`` on ``tensor_parallel_size`` devices (or a custom ``mesh`` from
-    ``jaxinfer.sharding.make_mesh``); every count is checked before a weight is read."""
+    ``jaxinfer.sharding.make_mesh``); every count is checked before a weight is read.
+    ``quantization``: "auto" keeps a quantized checkpoint's weights quantized on the device where
+    their layers take them (``jaxinfer.quantization``), None dequantizes them to ``dtype`` on load."""
+    check_quantization_mode(quantization)
     path = os.fspath(path)
     config, model_cls, checkpoint = open_checkpoint(path)
     dtype = resolve_dtype(dtype, config)
@@ -229,7 +243,8 @@ def load_model(path: str | os.PathLike, dtype="float32", *, tensor_parallel_size
                     data_parallel_size=data_parallel_size, enable_expert_parallel=enable_expert_parallel)
     loaded = LoadedModel(path, config, model_cls, model_cls(config, dtype), None, plan, dtype, axes)
     loaded.check_partitioning(shapes)
-    loaded.params = load_params(checkpoint, model_cls, config, plan, shapes, axes, progress=progress)
+    loaded.params = load_params(checkpoint, model_cls, config, plan, shapes, axes, keep_fp8=quantization == "auto",
+                                progress=progress)
     return loaded
 
 

@@ -11,7 +11,9 @@ quantized is what the file holds: an fp8 weight and its scale. ``modules_to_not_
 ``ignored_layers`` must agree with it.
 
 ``Fp8Checkpoint`` dequantizes on read, slice by slice (a device's slice of a weight reads only its
-rows and their scales), to float32; the loader casts to the serving dtype. Checked before anything
+rows and their scales), to float32; the loader casts to the serving dtype. Weights whose layers take
+them in fp8 (``TAKES_FP8``) are instead kept as they are stored (``Fp8Weight``: values and scales,
+each device its piece) with ``quantization="auto"``. Checked before anything
 is read, from the headers: every scale's shape and dtype, a quantized weight without its scale, a
 scale without its weight. Scale values (finite, positive) are checked as each tensor is read.
 """
@@ -21,7 +23,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from jaxinfer.errors import CheckpointError, ConfigError
 
@@ -31,6 +36,8 @@ BLOCK_SCALE = ".weight_scale_inv"  # per block
 TENSOR_SCALE = ".weight_scale"  # per tensor
 _ITEMSIZE = {"F8_E4M3": 1, "F8_E5M2": 1, "U8": 1, "I8": 1, "BOOL": 1, "F16": 2, "BF16": 2, "I16": 2, "F32": 4,
              "I32": 4, "F64": 8, "I64": 8}
+# Parameters whose layers take an ``Fp8Weight``: a Linear's weight, the stacked experts' projections.
+TAKES_FP8 = ("weight", "gate_proj", "up_proj", "down_proj")
 SUPPORTED = "fp8 (block or per-tensor e4m3 weights with dynamic activations) and mxfp4 (GPT-OSS's experts)"
 
 
@@ -193,6 +200,50 @@ class Fp8Checkpoint:
         out = values * scale
         return out if index is None or _is_plain(index) else out[_rest(index)]
 
+    # ---- weights kept in fp8 -------------------------------------------------------------------
+
+    def keeps(self, path: tuple, names: tuple[str, ...], shape, axes, plan) -> bool:
+        """Whether the parameter at ``path``, read from the tensors ``names`` (one, or one per expert),
+        stays in fp8 on the device: a layer takes it (``TAKES_FP8``), its tensors are fp8 weights, and
+        each device's piece starts and ends on block boundaries. Else it is dequantized on load."""
+        if path[-1] not in TAKES_FP8 or not names or not all(n in self._scales for n in names):
+            return False
+        block = self.quantization.block
+        if block is None:  # one scale per tensor, whole on every device
+            return True
+        ways = [plan.ways(a) for a in axes[-2:]]
+        return all(w == 1 or (n // w) % b == 0 for n, w, b in zip(shape[-2:], ways, block))
+
+    def stream(self, names: tuple[str, ...], stacked: bool, shape, axes, plan) -> "Fp8Weight":
+        """A kept parameter onto the devices: its fp8 values and float32 scales as stored, each device
+        reading its piece (``stacked``: one tensor per expert along the first axis)."""
+        stored, block = self._checkpoint, self.quantization.block
+        scale_names = [self._scales[n] for n in names]
+
+        def gather(read_one, tensor_names, index):
+            index = tuple(index)
+            if not stacked:
+                return read_one(tensor_names[0], index)
+            experts = range(len(tensor_names))[index[0]]
+            return np.stack([read_one(tensor_names[e], index[1:]) for e in experts])
+
+        values = jax.make_array_from_callback(
+            shape, plan.sharding(axes), lambda index: gather(lambda n, i: stored.read(n, i or None), names, index))
+        if block is None:  # one scale per tensor, as [1, 1], whole on every device
+            scale_shape, scale_axes = (*shape[:-2], 1, 1), (*axes[:-2], None, None)
+            def read_scale(name, index):
+                return np.asarray(stored.read(name), np.float32).reshape(1, 1)[index]
+        else:  # split as the values are: each piece is whole blocks (``keeps``)
+            scale_shape, scale_axes = (*shape[:-2], -(-shape[-2] // block[0]), -(-shape[-1] // block[1])), axes
+            def read_scale(name, index):
+                return np.asarray(stored.read(name, index or None), np.float32)
+
+        def scales_of(index):
+            return _checked(gather(read_scale, scale_names, index), scale_names[0])
+
+        scales = jax.make_array_from_callback(scale_shape, plan.sharding(scale_axes), scales_of)
+        return Fp8Weight(values, scales, block)
+
     def _read_scale(self, name: str, rows, cols) -> np.ndarray:
         """The scale of each element of ``name[rows, cols]``, after checking the values read."""
         scale_name = self._scales[name]
@@ -203,14 +254,20 @@ class Fp8Checkpoint:
             scales = np.asarray(self._checkpoint.read(scale_name, (slice(rows[0] // block[0], -(-rows[1] // block[0])),
                                                                     slice(cols[0] // block[1], -(-cols[1] // block[1])))),
                                 np.float32)
-        if not np.all(np.isfinite(scales) & (scales > 0)):
-            raise CheckpointError(f"{scale_name}: scales must be finite and positive; it holds "
-                                  f"{scales[~(np.isfinite(scales) & (scales > 0))][:4].tolist()}")
+        _checked(scales, scale_name)
         if block is None:
             return scales
         expanded = np.repeat(np.repeat(scales, block[0], axis=0), block[1], axis=1)
         r0, c0 = rows[0] % block[0], cols[0] % block[1]
         return expanded[r0:r0 + rows[1] - rows[0], c0:c0 + cols[1] - cols[0]]
+
+
+def _checked(scales: np.ndarray, name: str) -> np.ndarray:
+    """``scales`` as read from ``name``; ``CheckpointError`` unless all are finite and positive."""
+    bad = ~(np.isfinite(scales) & (scales > 0))
+    if np.any(bad):
+        raise CheckpointError(f"{name}: scales must be finite and positive; it holds {scales[bad][:4].tolist()}")
+    return scales
 
 
 def _ranges(index, shape) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -233,3 +290,39 @@ def _is_plain(index) -> bool:
 def _rest(index):
     """What is left of ``index`` once its step-1 slices were applied (a strided or integer index)."""
     return tuple(p if not (isinstance(p, slice) and p.step in (None, 1)) else slice(None) for p in tuple(index))
+
+
+@struct.dataclass
+class Fp8Weight:
+    """A weight kept in fp8 on the device: ``values`` (float8 e4m3, ``[..., out, in]``) and ``scales``
+    (float32, one per ``block`` of the last two dimensions, or ``[..., 1, 1]`` for one per tensor)
+    of this device's piece. A layer that takes it dequantizes it with ``as_array``; a kernel may read
+    it as it is."""
+
+    values: jax.Array
+    scales: jax.Array
+    block: tuple[int, int] | None = struct.field(pytree_node=False, default=None)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+    def dequantize(self, dtype) -> jax.Array:
+        """The reference: the fp8 value times its block's scale, in float32, then ``dtype``."""
+        rows, cols = self.values.shape[-2:]
+        scales = self.scales
+        if self.block is not None:
+            scales = jnp.repeat(jnp.repeat(scales, self.block[0], axis=-2), self.block[1], axis=-1)
+            scales = scales[..., :rows, :cols]
+        return (self.values.astype(jnp.float32) * scales).astype(dtype)
+
+
+def as_array(weight, dtype):
+    """``weight`` as a plain array of ``dtype``: an ``Fp8Weight`` dequantized, anything else as it is."""
+    return weight.dequantize(dtype) if isinstance(weight, Fp8Weight) else weight
+
+
+def spec_of(weight: Fp8Weight, spec):
+    """The ``PartitionSpec``s of a kept weight's values and scales, from the weight's ``spec``."""
+    scale_spec = spec if weight.block is not None else type(spec)(*tuple(spec)[:-2], None, None)
+    return Fp8Weight(spec, scale_spec, weight.block)

@@ -30,6 +30,7 @@ from jaxinfer.cache.metadata import build_metadata
 from jaxinfer.checkpoint_folder import CheckpointFolder
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError, ConfigError
+from jaxinfer.quantization import Fp8Checkpoint
 from jaxinfer.sharding.plan import ShardingPlan
 
 logger = logging.getLogger(__name__)
@@ -365,8 +366,9 @@ def check_checkpoint(checkpoint: SafetensorsCheckpoint, model_cls, config: Model
 
 
 def all_finite(arrays) -> list:
-    """One bool per array: no NaN / Inf in it (the loaded weights' check; an export compiles it too)."""
-    return [jnp.all(jnp.isfinite(a)) for a in arrays]
+    """One bool per parameter (an array, or the arrays of a quantized weight): no NaN / Inf in it (the
+    loaded weights' check; an export compiles it too)."""
+    return [jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(a)])) for a in arrays]
 
 
 _all_finite = jax.jit(all_finite)
@@ -405,12 +407,22 @@ def stream_params(checkpoint: SafetensorsCheckpoint, sources: dict, expected: di
 
 
 def load_params(checkpoint: SafetensorsCheckpoint, model_cls, config: ModelConfig, plan: ShardingPlan,
-                expected: dict, param_axes: dict, *, progress: bool = False):
+                expected: dict, param_axes: dict, *, keep_fp8: bool = True, progress: bool = False):
     """Check, then stream every tensor (``expected``, ``param_axes``: ``declared_params``) into a
     device array with its sharding under ``plan`` (each device reads only its slice); then refuse
-    non-finite weights."""
+    non-finite weights. With ``keep_fp8``, an fp8 checkpoint's weights that a layer takes in fp8 stay
+    fp8 on the device (``jaxinfer.quantization.Fp8Weight``); the others are dequantized."""
     sources = check_checkpoint(checkpoint, model_cls, config, expected)
-    shardings = {path: plan.sharding(param_axes[path]) for path in expected}
-    flat = stream_params(checkpoint, sources, expected, shardings, progress=progress)
+    kept = {}
+    if keep_fp8 and isinstance(checkpoint, Fp8Checkpoint):
+        kept = {path: source for path, source in sources.items() if isinstance(source, (Tensor, Stacked))
+                and checkpoint.keeps(path, source.names, expected[path].shape, param_axes[path], plan)}
+    rest = {path: struct for path, struct in expected.items() if path not in kept}
+    shardings = {path: plan.sharding(param_axes[path]) for path in rest}
+    flat = stream_params(checkpoint, sources, rest, shardings, progress=progress)
+    for path, source in kept.items():
+        flat[path] = checkpoint.stream(source.names, isinstance(source, Stacked), expected[path].shape,
+                                       param_axes[path], plan)
+    flat = {path: flat[path] for path in expected}
     check_finite(flat, sources)
     return traverse_util.unflatten_dict(flat)

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -208,3 +209,72 @@ def test_a_module_not_to_convert_stored_in_fp8_is_refused(fp8_checkpoint, tmp_pa
     path = broken_copy(fp8_checkpoint("llama")[0], tmp_path / "bad", quantization=dict(modules_to_not_convert=[Q]))
     with pytest.raises(CheckpointError, match=re.escape(f"{Q}.weight") + ".*modules_to_not_convert"):
         load_model(path)
+
+
+def test_weights_stay_fp8_on_the_device(fp8_checkpoint):
+    """By default (quantization="auto") the linears and the stacked experts keep their fp8 values and
+    float32 block scales on the device; quantization=None dequantizes them, with the same logits."""
+    from flax import traverse_util
+
+    from jaxinfer.quantization import Fp8Weight
+
+    path, _ = fp8_checkpoint("qwen3_moe")
+    kept, dequantized = load_model(path), load_model(path, quantization=None)
+    params = traverse_util.flatten_dict(kept.params)
+    q_proj = params[("model", "layers_0", "self_attn", "q_proj", "weight")]
+    assert isinstance(q_proj, Fp8Weight) and q_proj.values.dtype == jnp.float8_e4m3fn
+    out, cols = q_proj.values.shape
+    assert q_proj.values.nbytes == out * cols and q_proj.scales.shape == (-(-out // BLOCK[0]), -(-cols // BLOCK[1]))
+    gate = params[("model", "layers_0", "mlp", "experts", "gate_proj")]
+    assert isinstance(gate, Fp8Weight) and gate.values.dtype == jnp.float8_e4m3fn and gate.scales.ndim == 3
+    plain = traverse_util.flatten_dict(dequantized.params)
+    assert not any(isinstance(v, Fp8Weight) for v in plain.values())
+    ids = random_prompts([40], seed=1)[0]
+    np.testing.assert_allclose(kept.logits(ids), dequantized.logits(ids), atol=1e-6, rtol=0)
+
+
+def test_quantization_mode_is_checked_and_kept_weights_are_not_exported(fp8_checkpoint, tmp_path):
+    from jaxinfer import LLM
+    from jaxinfer.errors import ExportError
+
+    path, _ = fp8_checkpoint("llama")
+    with pytest.raises(ConfigError, match="quantization must be 'auto'"):
+        load_model(path, quantization="fp8")
+    llm = LLM(path, dtype="float32", max_model_len=32, warmup=False, show_progress=False)
+    with pytest.raises(ExportError, match="quantization=None"):
+        llm.export(tmp_path / "export")
+
+
+TENSOR_PARALLEL = """
+import json, sys
+import numpy as np
+from flax import traverse_util
+from jaxinfer import load_model
+from jaxinfer.quantization import Fp8Weight
+path = sys.argv[1]
+ids = list(range(3, 43))
+one, two = load_model(path), load_model(path, tensor_parallel_size=2)
+params = traverse_util.flatten_dict(two.params)
+def piece(name):
+    w = params[("model", "layers_0", "self_attn", name, "weight")]
+    kept = isinstance(w, Fp8Weight)
+    return [kept, list((w.values if kept else w).addressable_shards[0].data.shape)]
+print(json.dumps({"diff": float(np.abs(one.logits(ids) - two.logits(ids)).max()),
+                  "q_proj": piece("q_proj"), "o_proj": piece("o_proj")}))
+"""
+
+
+def test_a_split_keeps_fp8_where_blocks_align_with_the_pieces(tmp_path):
+    """At TP = 2 (hidden 64, blocks 16 x 24): q_proj's 32-row pieces are whole blocks and stay fp8;
+    o_proj's 32-column pieces cut blocks of 24, so it is dequantized; the logits are one device's."""
+    import subprocess
+    import sys
+
+    path, _ = write_fp8_checkpoint(tmp_path / "ckpt", "llama", block=(16, 24))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    result = subprocess.run([sys.executable, "-c", TENSOR_PARALLEL, path], env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert found["diff"] < 1e-5, found
+    assert found["q_proj"] == [True, [32, 64]] and found["o_proj"] == [False, [64, 32]], found

@@ -163,6 +163,12 @@ def write_export(engine, directory: str, *, portable: bool = False, progress: bo
     """Write ``engine``'s programs (the whole grid) and the manifest to ``directory`` (replaced if it
     holds an export; refused if it holds anything else). Executables are compiled afresh here;
     ``portable`` writes StableHLO where it can. The directory appears complete or not at all."""
+    from jaxinfer.quantization import Fp8Weight
+
+    if any(isinstance(leaf, Fp8Weight) for leaf in jax.tree.leaves(engine.model.params,
+                                                                  is_leaf=lambda x: isinstance(x, Fp8Weight))):
+        raise ExportError("this engine keeps weights in fp8 on the device, which an export cannot record yet: "
+                          "load the checkpoint with quantization=None (dequantized to dtype) to export it")
     directory = os.fspath(directory)
     if os.path.exists(directory) and (not os.path.isdir(directory) or (
             os.listdir(directory) and not os.path.isfile(os.path.join(directory, MANIFEST_FILE)))):

@@ -20,7 +20,7 @@ from jaxinfer.engine.sampling import SamplingParams
 from jaxinfer.engine.startup import StartupReport, process_age
 from jaxinfer.errors import ConfigError, InvalidRequestError, TokenizerUnavailableError
 from jaxinfer.generation_config import GenerationDefaults
-from jaxinfer.loader import load_model
+from jaxinfer.loader import check_quantization_mode, load_model
 from jaxinfer.tokenizer import check_text, load_tokenizer, render_chat
 
 
@@ -58,6 +58,9 @@ class LLM:
     loaded (``ExportMismatchError``). An export directory is read as data (no pickle; every read
     confined to it); its executables are compiled device code (see ``jaxinfer.engine.export``).
 
+    ``quantization="auto"`` keeps an fp8 checkpoint's weights in fp8 on the device (None: dequantized
+    to ``dtype`` on load; ``jaxinfer.quantization``).
+
     ``tensor_parallel_size=T`` splits each layer over ``T`` devices (``enable_expert_parallel=True``:
     MoE experts split whole); ``mesh`` gives a custom mesh instead (``jaxinfer.sharding.make_mesh``).
     On several hosts, every host runs the same script with ``coordinator_address="HOST:PORT"``,
@@ -67,11 +70,13 @@ class LLM:
     ``startup_report`` says where start-up time went (``jaxinfer.engine.startup.StartupReport``).
     """
 
-    def __init__(self, model: str | os.PathLike, dtype: str = "auto", *, engine_config: EngineConfig | None = None,
+    def __init__(self, model: str | os.PathLike, dtype: str = "auto", *, quantization: str | None = "auto",
+                 engine_config: EngineConfig | None = None,
                  mesh=None, skip_tokenizer_init: bool = False, executables: str | os.PathLike | None = None,
                  coordinator_address: str | None = None, num_processes: int | None = None,
                  process_id: int | None = None, **engine_options):
         started = time.perf_counter()
+        check_quantization_mode(quantization)
         multihost.initialize(coordinator_address, num_processes, process_id)
         self.startup_report = StartupReport(imports_s=process_age())
         path = os.fspath(model)
@@ -102,8 +107,8 @@ class LLM:
             if export is not None:
                 self.model = export.load_model(progress=config.show_progress)
             else:
-                self.model = load_model(path, dtype, mesh=mesh, progress=config.show_progress,
-                                        **config.parallelism())
+                self.model = load_model(path, dtype, quantization=quantization, mesh=mesh,
+                                        progress=config.show_progress, **config.parallelism())
             loaded = time.perf_counter()
             self.engine = Engine(self.model, config, tokenizer=self.tokenizer, generation_defaults=generation,
                                  programs=None if export is None else export.programs)

@@ -11,13 +11,20 @@ import jax
 from flax import traverse_util
 from jax.sharding import PartitionSpec as P
 
+from jaxinfer.quantization import Fp8Weight, spec_of
 from jaxinfer.sharding.local import local_view
 from jaxinfer.sharding.plan import ShardingPlan
 
 
-def param_specs(plan: ShardingPlan, param_axes: dict) -> dict:
-    """The parameters' ``PartitionSpec`` tree (nested like the parameters) from flat {path: logical axes}."""
-    return traverse_util.unflatten_dict({path: plan.spec(axes) for path, axes in param_axes.items()})
+def param_specs(plan: ShardingPlan, param_axes: dict, params: dict | None = None) -> dict:
+    """The parameters' ``PartitionSpec`` tree (nested like the parameters) from flat {path: logical
+    axes}; a weight of ``params`` kept quantized gets the specs of its parts."""
+    values = traverse_util.flatten_dict(params) if params is not None else {}
+    specs = {}
+    for path, axes in param_axes.items():
+        spec = plan.spec(axes)
+        specs[path] = spec_of(values[path], spec) if isinstance(values.get(path), Fp8Weight) else spec
+    return traverse_util.unflatten_dict(specs)
 
 
 def sharded(plan: ShardingPlan, fn: Callable, in_specs, out_specs) -> Callable:

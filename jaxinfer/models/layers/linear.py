@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.kernels import linear as linear_ops
+from jaxinfer.quantization import as_array
 from jaxinfer.sharding import local
 from jaxinfer.sharding.plan import VOCAB
 
@@ -27,7 +28,7 @@ def _linear_params(module: nn.Module, features: int, in_features: int, use_bias:
     """The weight ``[features, in_features]`` (global sizes; ``in_features`` given as this device's
     share) and bias, as this device holds them."""
     in_features = in_features * local.ways(axes[1])
-    weight = local.param(module, "weight", _INIT, (features, in_features), axes, param_dtype)
+    weight = as_array(local.param(module, "weight", _INIT, (features, in_features), axes, param_dtype), param_dtype)
     bias = (local.param(module, "bias", nn.initializers.zeros, (features,), axes[:1], param_dtype)
             if use_bias else None)
     return weight, bias

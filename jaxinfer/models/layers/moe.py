@@ -42,6 +42,7 @@ from jaxinfer.kernels import moe as moe_ops
 from jaxinfer.models.layers import capture
 from jaxinfer.models.layers.linear import Linear
 from jaxinfer.models.layers.mlp import GatedMLP
+from jaxinfer.quantization import as_array
 from jaxinfer.sharding import local
 from jaxinfer.sharding.plan import BATCH, EXPERT_MLP, EXPERTS, MLP
 
@@ -197,7 +198,8 @@ class Experts(nn.Module):
         if self._down_bias_after_sum():
             del biases["down_bias"]
         # Routers pick top-k: a token's k experts are distinct, which the kernel's decode path uses.
-        return moe_ops.moe_mlp(x, self._local_ids(ids), weights, self.gate, self.up, self.down,
+        gate, up, down = (as_array(w, self.param_dtype) for w in (self.gate, self.up, self.down))
+        return moe_ops.moe_mlp(x, self._local_ids(ids), weights, gate, up, down,
                                activation=spec.activation, alpha=spec.alpha, limit=spec.limit,
                                distinct_experts=True, **biases)
 
