@@ -1,7 +1,7 @@
 """Quantized checkpoints: what ``quantization_config`` says, and a view of the checkpoint that reads
 the quantized weights as the floats they stand for.
 
-fp8 (``quant_method: "fp8"``: transformers' fine-grained FP8, the DeepSeek-V3 / V3.2, Kimi K2.5,
+fp8 (``quant_method: "fp8"``: transformers' fine-grained FP8, the format of the DeepSeek-V3 / V3.2,
 GLM-5-FP8, MiniMax-M2 and Qwen3 FP8 releases): a quantized linear's ``<m>.weight`` is float8 e4m3
 and ``<m>.weight_scale_inv`` (float32) holds one scale per ``weight_block_size = [bo, bi]`` block,
 ``[ceil(out / bo), ceil(in / bi)]`` of them (the last block of a row or column may be ragged); with
@@ -13,9 +13,11 @@ quantized is what the file holds: an fp8 weight and its scale. ``modules_to_not_
 ``Fp8Checkpoint`` dequantizes on read, slice by slice (a device's slice of a weight reads only its
 rows and their scales), to float32; the loader casts to the serving dtype. Weights whose layers take
 them in fp8 (``TAKES_FP8``) are instead kept as they are stored (``Fp8Weight``: values and scales,
-each device its piece) with ``quantization="auto"``. Checked before anything
-is read, from the headers: every scale's shape and dtype, a quantized weight without its scale, a
-scale without its weight. Scale values (finite, positive) are checked as each tensor is read.
+each device its piece) with ``quantization="auto"``.
+
+Checked before anything is read, from the headers: every scale's shape and dtype, a quantized weight
+without its scale, a scale without its weight. Scale values (finite, positive) are checked as each
+tensor is read.
 """
 
 from __future__ import annotations
