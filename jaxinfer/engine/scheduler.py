@@ -36,10 +36,6 @@ class MixedBatch:
     items: list[tuple[Request, int]]  # (request, tokens computed this step), in row order
 
     @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.items)
-
-    @property
     def most_tokens_on_a_rank(self) -> int:
         """The tokens of the rank that computes the most (each rank's token rows are padded to it)."""
         per_rank = collections.Counter()
