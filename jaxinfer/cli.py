@@ -19,7 +19,8 @@ def _engine_options(args) -> dict:
     options = {"max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
                "max_num_batched_tokens": args.max_num_batched_tokens, "page_size": args.page_size,
                "page_bucket_growth": args.page_bucket_growth, "compilation_cache_dir": args.compilation_cache_dir,
-               "tensor_parallel_size": args.tensor_parallel_size, "data_parallel_size": args.data_parallel_size}
+               "tensor_parallel_size": args.tensor_parallel_size, "data_parallel_size": args.data_parallel_size,
+               "kv_cache_dtype": args.kv_cache_dtype}
     options = {name: value for name, value in options.items() if value is not None}
     for flag, option, value in (("strict", "strict", True), ("no_compilation_cache", "compilation_cache", False),
                                 ("allow_long_max_model_len", "allow_long_max_model_len", True),
@@ -49,6 +50,9 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), bfloat16, float16 or float32")
     p.add_argument("--quantization", default="auto", choices=["auto", "none"],
                    help="auto: an fp8 checkpoint's weights stay fp8 on the device; none: dequantized to --dtype")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8", "fp8_e4m3"],
+                   help="auto (default): the KV cache in --dtype; fp8: float8_e4m3fn with a per-layer scale "
+                        "(the checkpoint's k_scale / v_scale, else 1.0)")
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt+output (default: the model's, <= 8192)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step (default 8)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per prefill step (default 512)")
@@ -148,6 +152,7 @@ def cmd_info(args) -> int:
     from jaxinfer.engine.aot import BucketGrid
     from jaxinfer.engine.config import EngineConfig
     from jaxinfer.loader import open_checkpoint, resolve_dtype
+    from jaxinfer.quantization import mxfp4_tensors, parameter_count, stored_bytes
     from jaxinfer.sharding.for_model import abstract_plan
     from jaxinfer.sharding.plan import bytes_per_device
     from jaxinfer.tokenizer import has_tokenizer
@@ -156,11 +161,11 @@ def cmd_info(args) -> int:
     path = _model_path(args)
     config, model_cls, checkpoint = open_checkpoint(path)
     dtype = resolve_dtype(args.dtype, config)
-    num_params = sum(int(np.prod(checkpoint.shape(n))) for n in checkpoint.names())
+    num_params = parameter_count(checkpoint)
     weight_bytes = num_params * np.dtype(dtype).itemsize
     engine = EngineConfig(**_engine_options(args)).for_model(config)
     specs = model_cls.cache_specs(config)
-    layout = CacheLayout(specs, engine.page_size, 1, dtype, num_slots=1)
+    layout = CacheLayout(specs, engine.page_size, 1, dtype, num_slots=1, kv_dtype=engine.kv_dtype)
     grid = BucketGrid.from_config(engine)
     keys = grid.keys(engine)
     print(f"path:            {path}")
@@ -172,6 +177,11 @@ def cmd_info(args) -> int:
                 f"{np.dtype(dtype).name})" if _quantization(args) else f"dequantized to {np.dtype(dtype).name} on load")
         print(f"quantization:    {config.quantization.describe()}; {checkpoint.stored_bytes() / 2**20:.1f} MiB as "
               f"stored; {kept}")
+    elif mxfp4_tensors(checkpoint):
+        kept = ("experts kept in 4 bits on the device (--quantization none: dequantized to "
+                f"{np.dtype(dtype).name})" if _quantization(args) else f"dequantized to {np.dtype(dtype).name} on load")
+        print(f"quantization:    mxfp4 experts (e2m1 values, one e8m0 scale per 32); "
+              f"{stored_bytes(checkpoint) / 2**20:.1f} MiB as stored; {kept}")
     print(f"layers:          {config.num_hidden_layers}, {config.num_attention_heads} q / "
           f"{config.num_key_value_heads} kv heads of {config.head_dim}")
     print(f"tokenizer:       {'yes' if has_tokenizer(path) else 'none (token-id prompts only)'}")
@@ -186,7 +196,10 @@ def cmd_info(args) -> int:
               f"KV heads on {plan.mesh.shape['kv_replica']} "
               f"device(s) each{', experts split whole' if plan.expert_parallel else ''}); loading holds at most "
               f"{largest / 2**20:.1f} MiB of host memory at once (one tensor's slices)")
-    print("cache:           per kind, over all layers:")
+    kv_dtype = np.dtype(engine.kv_dtype or dtype).name
+    scaled = ", a float32 scale per layer and array" if engine.kv_dtype is not None else ""
+    print(f"cache:           paged arrays in {kv_dtype}{scaled}; state slots in {np.dtype(dtype).name}; "
+          "per kind, over all layers:")
     for kind, (per_token, per_sequence) in sorted(layout.bytes_by_kind().items()):
         layers = sum(1 for layer in specs if any(spec.kind == kind for spec in layer))
         cost = f"{per_token / 1024:.1f} KiB per token" if per_token else f"{_size(per_sequence)} per sequence"

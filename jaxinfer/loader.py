@@ -17,6 +17,7 @@ import numpy as np
 from flax import traverse_util
 from jax.sharding import PartitionSpec
 
+from jaxinfer.cache.checkpoint_scales import read_kv_scales
 from jaxinfer.cache.layout import CacheLayout
 from jaxinfer.cache.metadata import StepMetadata
 from jaxinfer import checks
@@ -108,6 +109,7 @@ class LoadedModel:
     plan: ShardingPlan
     dtype: type
     param_axes: dict
+    kv_scales: tuple = ()  # per layer, the KV-cache scales the checkpoint gives (jaxinfer.cache.checkpoint_scales)
     _forwards: dict = dataclasses.field(default_factory=dict, repr=False)  # the compiled research programs
 
     @property
@@ -243,8 +245,9 @@ def load_model(path: str | os.PathLike, dtype="float32", *, quantization: str | 
                     data_parallel_size=data_parallel_size, enable_expert_parallel=enable_expert_parallel)
     loaded = LoadedModel(path, config, model_cls, model_cls(config, dtype), None, plan, dtype, axes)
     loaded.check_partitioning(shapes)
-    loaded.params = load_params(checkpoint, model_cls, config, plan, shapes, axes, keep_fp8=quantization == "auto",
-                                progress=progress)
+    loaded.kv_scales = read_kv_scales(checkpoint, model_cls.cache_specs(config))
+    loaded.params = load_params(checkpoint, model_cls, config, plan, shapes, axes,
+                                keep_quantized=quantization == "auto", progress=progress)
     return loaded
 
 

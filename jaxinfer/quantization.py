@@ -15,6 +15,11 @@ rows and their scales), to float32; the loader casts to the serving dtype. Weigh
 them in fp8 (``TAKES_FP8``) are instead kept as they are stored (``Fp8Weight``: values and scales,
 each device its piece) with ``quantization="auto"``.
 
+MXFP4 (``quant_method: "mxfp4"``, GPT-OSS's experts): ``<m>_blocks`` (uint8, two e2m1 values per
+byte) and ``<m>_scales`` (uint8 e8m0 exponents), one scale per 32 values along a row. GPT-OSS's loader
+reads them through ``Mxfp4Tensor``: kept packed on the device (``Mxfp4Weight``) with
+``quantization="auto"`` where each device's piece is whole groups, else dequantized on load.
+
 Checked before anything is read, from the headers: every scale's shape and dtype, a quantized weight
 without its scale, a scale without its weight. Scale values (finite, positive) are checked as each
 tensor is read.
@@ -41,6 +46,10 @@ _ITEMSIZE = {"F8_E4M3": 1, "F8_E5M2": 1, "U8": 1, "I8": 1, "BOOL": 1, "F16": 2, 
 # Parameters whose layers take an ``Fp8Weight``: a Linear's weight, the stacked experts' projections.
 TAKES_FP8 = ("weight", "gate_proj", "up_proj", "down_proj")
 SUPPORTED = "fp8 (block or per-tensor e4m3 weights with dynamic activations) and mxfp4 (GPT-OSS's experts)"
+MXFP4_GROUP = 32  # values per e8m0 scale, along ``in``
+MXFP4_DTYPE = "U8"  # blocks and scales are both stored as bytes
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                      np.float32)  # e2m1, by code
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,12 +328,155 @@ class Fp8Weight:
         return (self.values.astype(jnp.float32) * scales).astype(dtype)
 
 
+@struct.dataclass
+class Mxfp4Weight:
+    """A weight kept in MXFP4 on the device, as GPT-OSS stores its experts: ``blocks`` (uint8,
+    ``[..., out, in / 32, 16]``, two e2m1 values per byte, low nibble first) and ``scales`` (uint8
+    e8m0 exponents, ``[..., out, in / 32]``: each group of 32 values along ``in`` is multiplied by
+    ``2 ** (scale - 127)``) of this device's piece. ``as_array`` dequantizes it; a kernel may read
+    the packed bytes as they are."""
+
+    blocks: jax.Array
+    scales: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the weight it stands for, ``[..., out, in]``."""
+        return (*self.blocks.shape[:-2], self.blocks.shape[-2] * MXFP4_GROUP)
+
+    def dequantize(self, dtype) -> jax.Array:
+        """The reference: each e2m1 value times its group's power of two, in float32, then ``dtype``."""
+        table = jnp.asarray(FP4_VALUES)
+        values = jnp.stack([table[self.blocks & 0x0F], table[self.blocks >> 4]], axis=-1)
+        values = values.reshape(*self.blocks.shape[:-1], MXFP4_GROUP)
+        values = jnp.ldexp(values, self.scales.astype(jnp.int32)[..., None] - 127)
+        return values.reshape(self.shape).astype(dtype)
+
+
+QUANTIZED_WEIGHTS = (Fp8Weight, Mxfp4Weight)
+
+
 def as_array(weight, dtype):
-    """``weight`` as a plain array of ``dtype``: an ``Fp8Weight`` dequantized, anything else as it is."""
-    return weight.dequantize(dtype) if isinstance(weight, Fp8Weight) else weight
+    """``weight`` as a plain array of ``dtype``: a quantized weight dequantized, anything else as it is."""
+    return weight.dequantize(dtype) if isinstance(weight, QUANTIZED_WEIGHTS) else weight
 
 
-def spec_of(weight: Fp8Weight, spec):
-    """The ``PartitionSpec``s of a kept weight's values and scales, from the weight's ``spec``."""
+def spec_of(weight, spec):
+    """The ``PartitionSpec``s of a kept weight's parts, from the ``spec`` of the weight it stands for
+    (an MXFP4 weight's groups split as its ``in`` dimension does)."""
+    if isinstance(weight, Mxfp4Weight):
+        return Mxfp4Weight(spec, spec)
     scale_spec = spec if weight.block is not None else type(spec)(*tuple(spec)[:-2], None, None)
     return Fp8Weight(spec, scale_spec, weight.block)
+
+
+# ---- MXFP4 (GPT-OSS's experts) ------------------------------------------------------------------
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """blocks uint8 [..., G, B], scales uint8 [..., G] -> float32 [..., G * 2B].
+
+    Each byte holds two FP4 (e2m1) values, low nibble first; each group of 2B values shares the
+    power-of-two scale ``2 ** (scale - 127)``.
+    """
+    low = FP4_VALUES[blocks & 0x0F]
+    high = FP4_VALUES[blocks >> 4]
+    values = np.stack([low, high], axis=-1).reshape(*blocks.shape[:-1], 2 * blocks.shape[-1])
+    values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
+    return values.reshape(*blocks.shape[:-2], -1)
+
+
+def _check_mxfp4(blocks: np.ndarray, scales: np.ndarray, name: str) -> None:
+    """``CheckpointError`` where a group of ``name`` would not be finite: an exponent of 255 (e8m0's
+    NaN), or 254 with a value of magnitude 2 or more (past float32's range)."""
+    big = ((blocks & 0x07) >= 4) | (((blocks >> 4) & 0x07) >= 4)
+    bad = (scales == 255) | ((scales == 254) & big.any(axis=-1))
+    if np.any(bad):
+        raise CheckpointError(f"{name}: MXFP4 groups whose scale makes them infinite or NaN (exponents "
+                              f"{scales[bad][:4].tolist()})")
+
+
+def mxfp4_tensors(checkpoint) -> dict[str, str]:
+    """{``<name>_blocks``: ``<name>_scales``} of the MXFP4 tensors a checkpoint stores (bytes both)."""
+    names = set(checkpoint.names())
+    return {n: n[:-len("_blocks")] + "_scales" for n in sorted(names)
+            if n.endswith("_blocks") and n[:-len("_blocks")] + "_scales" in names
+            and checkpoint.dtype(n) == MXFP4_DTYPE}
+
+
+def parameter_count(checkpoint) -> int:
+    """The weights a checkpoint holds, counting the values a quantized tensor stands for: two per
+    MXFP4 byte, and no scales."""
+    mxfp4 = mxfp4_tensors(checkpoint)
+    scales = set(mxfp4.values())
+    return sum(math.prod(checkpoint.shape(n)) * (2 if n in mxfp4 else 1) for n in checkpoint.names()
+               if n not in scales)
+
+
+def stored_bytes(checkpoint) -> int:
+    """The bytes of every tensor of a checkpoint as stored (quantized values, their scales, the rest)."""
+    if isinstance(checkpoint, Fp8Checkpoint):
+        return checkpoint.stored_bytes()
+    return sum(math.prod(checkpoint.shape(n)) * _ITEMSIZE.get(checkpoint.dtype(n), 4) for n in checkpoint.names())
+
+
+class Mxfp4Tensor:
+    """A stacked expert projection stored in MXFP4 as ``<name>_blocks`` ``[E, R, G, 16]`` and
+    ``<name>_scales`` ``[E, R, G]``: the parameter ``[E, out, G * 32]`` takes the stored rows
+    ``rows`` (GPT-OSS's fused ``gate_up_proj`` interleaves gate and up: ``0::2`` / ``1::2``).
+
+    ``read`` gives a slice of the dequantized float32 weight (reading only the groups it covers);
+    ``keeps`` / ``stream`` keep it packed on the device (``Mxfp4Weight``), each device its piece."""
+
+    dtypes = (MXFP4_DTYPE,)
+
+    def __init__(self, blocks: str, scales: str, rows: slice = slice(None)):
+        self.names = (blocks, scales)
+        self.rows = rows
+
+    def shape(self, checkpoint) -> tuple[int, ...]:
+        blocks, scales = (tuple(checkpoint.shape(n)) for n in self.names)
+        if len(blocks) != 4 or blocks[-1] * 2 != MXFP4_GROUP or scales != blocks[:-1]:
+            raise CheckpointError(f"{self.names[0]} {list(blocks)} / {self.names[1]} {list(scales)}: MXFP4 experts "
+                                  f"are blocks [E, rows, groups, {MXFP4_GROUP // 2}] with scales [E, rows, groups]")
+        return blocks[0], len(range(blocks[1])[self.rows]), blocks[2] * MXFP4_GROUP
+
+    def _read(self, checkpoint, name: str, experts: slice, rows: slice, groups: slice) -> np.ndarray:
+        """``name``'s stored ``[experts, rows, groups]``, ``rows`` counted in the parameter's rows."""
+        stored = range(checkpoint.shape(name)[1])[self.rows][rows]
+        span = slice(stored.start, stored[-1] + 1) if len(stored) else slice(0, 0)
+        return checkpoint.read(name, (experts, span, groups))[:, ::stored.step]
+
+    def _read_checked(self, checkpoint, experts: slice, rows: slice, groups: slice):
+        """The blocks and scales of ``[experts, rows, groups]``, refused where not finite."""
+        blocks, scales = (self._read(checkpoint, n, experts, rows, groups) for n in self.names)
+        _check_mxfp4(blocks, scales, self.names[0])
+        return blocks, scales
+
+    def read(self, checkpoint, index) -> np.ndarray:
+        parts = tuple(index) if index is not None else ()
+        experts, rows, cols = parts + (slice(None),) * (3 - len(parts))
+        start, stop, step = cols.indices(self.shape(checkpoint)[2])
+        first, last = start // MXFP4_GROUP, max(start // MXFP4_GROUP, -(-stop // MXFP4_GROUP))
+        values = dequantize_mxfp4(*self._read_checked(checkpoint, experts, rows, slice(first, last)))
+        offset = first * MXFP4_GROUP
+        return values[..., start - offset:stop - offset:step]
+
+    def keeps(self, shape, axes, plan) -> bool:
+        """Whether each device's piece of ``in`` is whole groups of 32 (else it is dequantized on load)."""
+        return (shape[-1] // plan.ways(axes[-1])) % MXFP4_GROUP == 0
+
+    def stream(self, checkpoint, shape, axes, plan) -> Mxfp4Weight:
+        """The packed blocks and exponents onto the devices, each device reading its piece."""
+        groups = shape[-1] // MXFP4_GROUP
+
+        def blocks_of(index):  # checked with their scales (a sixteenth of their bytes)
+            return self._read_checked(checkpoint, *index[:3])[0]
+
+        def scales_of(index):
+            return self._read(checkpoint, self.names[1], *index)
+
+        blocks = jax.make_array_from_callback((*shape[:-1], groups, MXFP4_GROUP // 2),
+                                              plan.sharding((*axes, None)), blocks_of)
+        scales = jax.make_array_from_callback((*shape[:-1], groups), plan.sharding(axes), scales_of)
+        return Mxfp4Weight(blocks, scales)

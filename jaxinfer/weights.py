@@ -12,6 +12,7 @@ reduction per tensor on the device refuses NaN / Inf weights.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -30,7 +31,7 @@ from jaxinfer.cache.metadata import build_metadata
 from jaxinfer.checkpoint_folder import CheckpointFolder
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError, ConfigError
-from jaxinfer.quantization import Fp8Checkpoint
+from jaxinfer.quantization import Fp8Checkpoint, Mxfp4Tensor
 from jaxinfer.sharding.plan import ShardingPlan
 
 logger = logging.getLogger(__name__)
@@ -406,23 +407,44 @@ def stream_params(checkpoint: SafetensorsCheckpoint, sources: dict, expected: di
     return flat
 
 
+def quantized_streams(checkpoint: SafetensorsCheckpoint, sources: dict, expected: dict, param_axes: dict,
+                      plan: ShardingPlan) -> dict:
+    """{param path: a function streaming it onto the devices quantized} for each weight that stays
+    quantized where its layer takes it: an fp8 checkpoint's (``jaxinfer.quantization.Fp8Weight``)
+    and MXFP4 experts (``Mxfp4Weight``), where each device's piece keeps whole blocks. Decided from
+    the headers alone."""
+    kept = {}
+    for path, source in sources.items():
+        shape, axes = expected[path].shape, param_axes[path]
+        if isinstance(source, Mxfp4Tensor) and source.keeps(shape, axes, plan):
+            kept[path] = functools.partial(source.stream, checkpoint, shape, axes, plan)
+        elif (isinstance(checkpoint, Fp8Checkpoint) and isinstance(source, (Tensor, Stacked))
+              and checkpoint.keeps(path, source.names, shape, axes, plan)):
+            kept[path] = functools.partial(checkpoint.stream, source.names, isinstance(source, Stacked), shape,
+                                           axes, plan)
+    return kept
+
+
 def load_params(checkpoint: SafetensorsCheckpoint, model_cls, config: ModelConfig, plan: ShardingPlan,
-                expected: dict, param_axes: dict, *, keep_fp8: bool = True, progress: bool = False):
+                expected: dict, param_axes: dict, *, keep_quantized: bool = True, progress: bool = False):
     """Check, then stream every tensor (``expected``, ``param_axes``: ``declared_params``) into a
     device array with its sharding under ``plan`` (each device reads only its slice); then refuse
-    non-finite weights. With ``keep_fp8``, an fp8 checkpoint's weights that a layer takes in fp8 stay
-    fp8 on the device (``jaxinfer.quantization.Fp8Weight``); the others are dequantized."""
+    non-finite weights. With ``keep_quantized``, the weights of ``quantized_streams`` stay quantized
+    on the device; the others are dequantized."""
     sources = check_checkpoint(checkpoint, model_cls, config, expected)
-    kept = {}
-    if keep_fp8 and isinstance(checkpoint, Fp8Checkpoint):
-        kept = {path: source for path, source in sources.items() if isinstance(source, (Tensor, Stacked))
-                and checkpoint.keeps(path, source.names, expected[path].shape, param_axes[path], plan)}
-    rest = {path: struct for path, struct in expected.items() if path not in kept}
-    shardings = {path: plan.sharding(param_axes[path]) for path in rest}
-    flat = stream_params(checkpoint, sources, rest, shardings, progress=progress)
-    for path, source in kept.items():
-        flat[path] = checkpoint.stream(source.names, isinstance(source, Stacked), expected[path].shape,
-                                       param_axes[path], plan)
-    flat = {path: flat[path] for path in expected}
+    kept = quantized_streams(checkpoint, sources, expected, param_axes, plan) if keep_quantized else {}
+    flat = stream_all(checkpoint, sources, expected, {path: plan.sharding(param_axes[path]) for path in expected},
+                      kept, progress=progress)
     check_finite(flat, sources)
     return traverse_util.unflatten_dict(flat)
+
+
+def stream_all(checkpoint: SafetensorsCheckpoint, sources: dict, expected: dict, shardings: dict, kept: dict, *,
+               progress: bool = False) -> dict:
+    """{param path: device array or quantized weight} in ``expected``'s order: the ``kept`` ones
+    (``quantized_streams``) streamed quantized, the others by ``stream_params``."""
+    rest = {path: struct for path, struct in expected.items() if path not in kept}
+    flat = stream_params(checkpoint, sources, rest, {path: shardings[path] for path in rest}, progress=progress)
+    for path, stream in kept.items():
+        flat[path] = stream()
+    return {path: flat[path] for path in expected}

@@ -38,10 +38,15 @@ spans several steps): a quick run of the script itself, e.g. on a CPU, where the
 the reference. ``--smoke-dtype float32`` runs the bfloat16 runs in float32, a smoke test of the
 script's path without bfloat16 rounding.
 
+``--kv-cache-dtype fp8`` serves the kernels' run with an fp8 (e4m3) KV cache (``jaxinfer.cache.fp8``),
+the references keeping theirs in the compute dtype: the drift then includes the cache's e4m3 rounding,
+judged by the same rule.
+
     PYTHONPATH=. python3 scripts/model_check.py          # writes model_check.json to $JAXINFER_BENCH_DIR (or .)
     PYTHONPATH=. python3 scripts/model_check.py --seed 1 # other random checkpoints and prompts
     PYTHONPATH=. python3 scripts/model_check.py --families deepseek_v3 kimi_linear minimax
     PYTHONPATH=. python3 scripts/model_check.py --smoke --families glm_moe_dsa  # a quick run, e.g. on a CPU
+    PYTHONPATH=. python3 scripts/model_check.py --kv-cache-dtype fp8  # the kernels over an fp8 KV cache
 """
 
 from __future__ import annotations
@@ -139,11 +144,12 @@ def write_checkpoint(path: str, family: str, seed: int = 0, smoke: bool = False)
     save_file(rounded, weights, metadata={"format": "pt"})
 
 
-def generate(checkpoint: str, dtype: str, seed: int = 0) -> list[dict]:
+def generate(checkpoint: str, dtype: str, seed: int = 0, kv_cache_dtype: str = "auto") -> list[dict]:
     from jaxinfer import LLM, SamplingParams
 
     llm = LLM(checkpoint, dtype=dtype, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=MAX_BATCHED_TOKENS,
-              show_progress=False, warmup=False)  # compile only the buckets these requests use
+              show_progress=False, warmup=False,  # compile only the buckets these requests use
+              kv_cache_dtype=kv_cache_dtype)
     rng = np.random.RandomState(seed)
     prompts = [rng.randint(3, llm.config.vocab_size, size=n).tolist() for n in PROMPT_LENGTHS]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
@@ -202,6 +208,8 @@ def main():
                         help="widths / 8, prompts / 10: a quick run of the script (e.g. on a CPU), not a check")
     parser.add_argument("--smoke-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="with --smoke: the dtype of the bfloat16 runs")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                        help="the kernels' run's KV cache (the references keep theirs in the compute dtype)")
     parser.add_argument("--reference-run", nargs=2, metavar=("DTYPE", "OUT"), help=argparse.SUPPRESS)  # a child
     args = parser.parse_args()
     if args.smoke_dtype != "bfloat16" and not args.smoke:
@@ -229,7 +237,7 @@ def main():
             with open(out_file) as f:
                 runs[f"reference_{name}"] = json.load(f)
         for family in args.families:
-            family_runs = {"kernels": generate(os.path.join(tmp, family), low, args.seed),
+            family_runs = {"kernels": generate(os.path.join(tmp, family), low, args.seed, args.kv_cache_dtype),
                            **{name: run[family] for name, run in runs.items()}}
             rows = compare(family_runs)
             results[family] = {"requests": rows, "ok": family_passes(rows)}
@@ -237,9 +245,11 @@ def main():
     ok = all(result["ok"] for result in results.values())
     print("model check ok:", ok)
     smoke_fields = {"smoke": True, "smoke_dtype": args.smoke_dtype} if args.smoke else {}
-    write_json("model_check_smoke.json" if args.smoke else "model_check.json",
+    fp8 = args.kv_cache_dtype == "fp8"
+    name = "model_check_smoke" if args.smoke else "model_check"
+    write_json(f"{name}_kv_fp8.json" if fp8 else f"{name}.json",
                {"environment": environment(), "seed": args.seed, "max_tokens": MAX_TOKENS, **smoke_fields,
-                "families": results, "ok": ok})
+                "kv_cache_dtype": args.kv_cache_dtype, "families": results, "ok": ok})
 
 
 if __name__ == "__main__":

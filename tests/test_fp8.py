@@ -233,16 +233,30 @@ def test_weights_stay_fp8_on_the_device(fp8_checkpoint):
     np.testing.assert_allclose(kept.logits(ids), dequantized.logits(ids), atol=1e-6, rtol=0)
 
 
-def test_quantization_mode_is_checked_and_kept_weights_are_not_exported(fp8_checkpoint, tmp_path):
-    from jaxinfer import LLM
-    from jaxinfer.errors import ExportError
+def test_an_export_takes_the_kept_fp8_weights(fp8_checkpoint, tmp_path):
+    """An export of an engine that keeps fp8 weights records them with their parts and serves the live
+    engine's tokens from them; loading the checkpoint dequantized for it is a mismatch."""
+    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.engine.manifest import Manifest
+    from jaxinfer.errors import ExportMismatchError
 
     path, _ = fp8_checkpoint("llama")
     with pytest.raises(ConfigError, match="quantization must be 'auto'"):
         load_model(path, quantization="fp8")
-    llm = LLM(path, dtype="float32", max_model_len=32, warmup=False, show_progress=False)
-    with pytest.raises(ExportError, match="quantization=None"):
-        llm.export(tmp_path / "export")
+    options = dict(dtype="float32", max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16, warmup=False,
+                   show_progress=False)
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    prompt = random_prompts([9], seed=3)[0]
+    live = LLM(path, **options)
+    expected = live.generate(prompt_token_ids=[prompt], sampling_params=greedy)[0].token_ids
+    live.export(tmp_path / "export")
+    entries = {"/".join(p["path"]): p for p in Manifest.read(str(tmp_path / "export")).params}
+    q_proj = entries["model/layers_0/self_attn/q_proj/weight"]["quantized"]["parts"]
+    assert [part["dtype"] for part in q_proj] == ["float8_e4m3fn", "float32"], q_proj
+    served = LLM(path, executables=tmp_path / "export", show_progress=False)
+    assert served.generate(prompt_token_ids=[prompt], sampling_params=greedy)[0].token_ids == expected
+    with pytest.raises(ExportMismatchError, match="quantization=None keeps 0 quantized"):
+        LLM(path, executables=tmp_path / "export", quantization=None, show_progress=False)
 
 
 TENSOR_PARALLEL = """

@@ -19,7 +19,7 @@ from safetensors.numpy import load_file, save_file
 from jaxinfer import load_model
 from jaxinfer.kernels import registry
 from jaxinfer.kernels.moe import gated_activation, moe_mlp
-from jaxinfer.models.gpt_oss import FP4_VALUES, dequantize_mxfp4
+from jaxinfer.quantization import FP4_VALUES, dequantize_mxfp4
 from jaxinfer.models.layers.moe import MoESpec, route
 from tests.conftest import make_hf_checkpoint, random_prompts
 from tests.families import MOE

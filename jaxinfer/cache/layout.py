@@ -5,6 +5,11 @@ Layer ``i``'s cache is a dict of the arrays its specs name. All paged arrays sha
 page ``p`` of a sequence is page ``p`` in every paged layer, listed once in the sequence's block
 table. Every state-slot array has ``num_slots`` slots, one per running sequence. The allocator, the
 scheduler, the runner, the ops and ``jaxinfer info`` all read sizes from here.
+
+``kv_dtype`` is the paged arrays' dtype where their spec leaves it to the cache (``kv_cache_dtype``;
+None: ``dtype``, the compute dtype, which state slots always keep). An fp8 paged array has a float32
+scalar scale beside it, ``<array>_scale`` (``jaxinfer.cache.fp8``), allocated holding its value from
+``kv_scales`` (1.0 where the checkpoint gives none) and never written by a step.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jaxinfer.cache import fp8
 from jaxinfer.cache.specs import CacheSpec, PoolSizes
 from jaxinfer.sharding.plan import ShardingPlan
 
@@ -27,12 +33,16 @@ class CacheLayout:
     num_pages: int
     dtype: jnp.dtype
     num_slots: int = 0
+    kv_dtype: jnp.dtype | None = None
+    kv_scales: tuple[tuple[tuple[str, float], ...], ...] = ()  # per layer: (scale name, value), e.g. ("k_scale", 0.5)
 
     def __post_init__(self):
         for layer, specs in enumerate(self.layer_specs):
             names = [name for spec in specs for name in spec.arrays(self.sizes)]
             if len(names) != len(set(names)):
                 raise ValueError(f"layer {layer}'s cache specs name an array twice: {names}")
+        if self.kv_scales and len(self.kv_scales) != len(self.layer_specs):
+            raise ValueError(f"kv_scales gives {len(self.kv_scales)} layers' scales for {len(self.layer_specs)} layers")
 
     @property
     def sizes(self) -> PoolSizes:
@@ -41,8 +51,9 @@ class CacheLayout:
     # ---- sizes ---------------------------------------------------------------------------------
 
     @staticmethod
-    def bytes_per_token_for(layer_specs, dtype) -> int:
-        return sum(spec.bytes_per_token(dtype) for specs in layer_specs for spec in specs)
+    def bytes_per_token_for(layer_specs, dtype, kv_dtype=None) -> int:
+        """Bytes one token costs over all layers, paged arrays in ``kv_dtype`` (None: ``dtype``)."""
+        return sum(spec.bytes_per_token(kv_dtype or dtype) for specs in layer_specs for spec in specs)
 
     @staticmethod
     def bytes_per_sequence_for(layer_specs, dtype) -> int:
@@ -55,7 +66,7 @@ class CacheLayout:
 
     @property
     def bytes_per_page(self) -> int:
-        return self.bytes_per_token_for(self.layer_specs, self.dtype) * self.page_size
+        return self.bytes_per_token_for(self.layer_specs, self.dtype, self.kv_dtype) * self.page_size
 
     @property
     def bytes_per_slot(self) -> int:
@@ -71,18 +82,30 @@ class CacheLayout:
         for specs in self.layer_specs:
             for spec in specs:
                 token, seq = out.get(spec.kind, (0, 0))
-                out[spec.kind] = (token + spec.bytes_per_token(self.dtype), seq + spec.bytes_per_sequence(self.dtype))
+                out[spec.kind] = (token + spec.bytes_per_token(self.kv_dtype or self.dtype),
+                                  seq + spec.bytes_per_sequence(self.dtype))
         return out
 
     # ---- arrays --------------------------------------------------------------------------------
 
     def layer_arrays(self, layer: int) -> dict[str, tuple[tuple[int, ...], np.dtype, tuple]]:
-        """{array name: (shape, dtype, logical axes)} of layer ``layer``'s cache."""
+        """{array name: (shape, dtype, logical axes)} of layer ``layer``'s cache, each fp8 array's
+        scale included."""
         out = {}
         for spec in self.layer_specs[layer]:
+            default = (self.kv_dtype or self.dtype) if spec.paged else self.dtype
             for name, (shape, dtype, axes) in spec.arrays(self.sizes).items():
-                out[name] = (shape, np.dtype(dtype or self.dtype), axes)
+                out[name] = (shape, np.dtype(dtype or default), axes)
+                if fp8.is_fp8(out[name][1]):
+                    out[fp8.scale_name(name)] = ((), np.dtype(np.float32), ())
         return out
+
+    def fill_values(self, layer: int) -> dict[str, float]:
+        """What each array of layer ``layer``'s cache holds when allocated: 0, except the fp8 scales."""
+        scales = dict(self.kv_scales[layer]) if self.kv_scales else {}
+        arrays = self.layer_arrays(layer)
+        scale_names = {fp8.scale_name(name) for name, (_, dtype, _) in arrays.items() if fp8.is_fp8(dtype)}
+        return {name: scales.get(name, 1.0) if name in scale_names else 0.0 for name in arrays}
 
     def partition_specs(self, plan: ShardingPlan) -> list[dict[str, P]]:
         """Each cache array's ``PartitionSpec`` under ``plan``: one dict per layer."""
@@ -98,6 +121,11 @@ class CacheLayout:
         ]
 
     def zeros(self) -> list[dict[str, jax.Array]]:
-        """Unsharded zero caches (the research forward, ``jax.eval_shape`` of a model's init)."""
-        return [{name: jnp.zeros(shape, dtype) for name, (shape, dtype, _) in self.layer_arrays(layer).items()}
-                for layer in range(len(self.layer_specs))]
+        """Unsharded empty caches (the research forward, ``jax.eval_shape`` of a model's init): zeros,
+        and each fp8 array's scale (``fill_values``)."""
+        out = []
+        for layer in range(len(self.layer_specs)):
+            fills = self.fill_values(layer)
+            out.append({name: jnp.full(shape, fills[name], dtype)
+                        for name, (shape, dtype, _) in self.layer_arrays(layer).items()})
+        return out

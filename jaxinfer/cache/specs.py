@@ -15,6 +15,10 @@ Kinds:
 * ``StateSlots``: fixed-size per-sequence arrays, ``[num_slots, *shape]`` each (a linear-attention
   layer's recurrent and conv state); a slot handed to a new sequence starts from zeros.
 
+A paged array whose spec leaves its dtype to the cache is stored in the KV cache dtype
+(``kv_cache_dtype``: the compute dtype, or fp8 with a scale beside it, ``jaxinfer.cache.fp8``); the
+arrays of state slots keep the compute dtype (or their own).
+
 Each array declares the logical axis of each dimension (``jaxinfer.sharding.plan``); the plan maps
 them to the mesh. The pool's pages (``PAGES``) and slots (``SLOTS``) are split over data-parallel
 ranks: each rank's block tables and slot ids index its own part.

@@ -6,6 +6,7 @@ import dataclasses
 import os
 
 from jaxinfer import checks
+from jaxinfer.cache import fp8
 from jaxinfer.errors import ConfigError
 
 
@@ -24,6 +25,9 @@ class EngineConfig:
     page_size: int = DEFAULT_PAGE_SIZE
     num_pages: int | None = None  # default: every sequence at full length, capped by free device / host memory
     kv_cache_memory_fraction: float = 0.85  # of the memory left after weights (host memory on CPU)
+    # "auto": paged cache arrays in the compute dtype; "fp8" (or "fp8_e4m3"): float8_e4m3fn with a
+    # per-layer scale (the checkpoint's k_scale / v_scale, else 1.0; jaxinfer.cache.fp8).
+    kv_cache_dtype: str = "auto"
     decode_steps: int = 8  # decode steps per device-side loop
     max_logprobs: int | None = 5  # the largest SamplingParams.logprobs served; None: logprobs are not served
     max_stop_token_ids: int = 8  # EOS ids + stop_token_ids per request
@@ -55,6 +59,7 @@ class EngineConfig:
         checks.optional(checks.integer, self.max_logprobs, name("max_logprobs"), ge=0)
         checks.integer(self.seed, name("seed"), ge=0)
         checks.number(self.kv_cache_memory_fraction, name("kv_cache_memory_fraction"), gt=0, le=1)
+        fp8.kv_cache_dtype(self.kv_cache_dtype)
         for field in ("allow_long_max_model_len", "strict", "warmup", "compilation_cache", "show_progress",
                       "enable_expert_parallel"):
             checks.boolean(getattr(self, field), name(field))
@@ -78,6 +83,11 @@ class EngineConfig:
             raise ConfigError(f"{name('num_pages')}={self.num_pages} x page_size={self.page_size} = "
                               f"{self.num_pages * self.page_size} cache rows, which int32 indices cannot address: keep "
                               "num_pages * page_size below 2**31")
+
+    @property
+    def kv_dtype(self):
+        """The paged cache arrays' dtype ``kv_cache_dtype`` asks for; None: the compute dtype."""
+        return fp8.kv_cache_dtype(self.kv_cache_dtype)
 
     def parallelism(self) -> dict:
         """The options that partition the model (``jaxinfer.load_model``'s keywords)."""

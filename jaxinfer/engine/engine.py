@@ -90,7 +90,7 @@ def plan_cache(config: EngineConfig, layer_specs, dtype, available: int | None) 
     """(num_pages, num_slots) of the cache for ``config`` within the ``available`` bytes (see
     ``plan_num_pages``); ``ConfigError`` when it cannot fit."""
     num_slots = config.max_num_seqs if CacheLayout.needs_slots(layer_specs) else 0
-    page_bytes = CacheLayout.bytes_per_token_for(layer_specs, dtype) * config.page_size
+    page_bytes = CacheLayout.bytes_per_token_for(layer_specs, dtype, config.kv_dtype) * config.page_size
     slot_bytes = CacheLayout.bytes_per_sequence_for(layer_specs, dtype) * num_slots
     return plan_num_pages(config, page_bytes, _left_after_slots(available, slot_bytes, config)), num_slots
 
@@ -124,7 +124,8 @@ class Engine:
         config.num_pages, num_slots = plan_cache(config, specs, model.dtype, memory.available_bytes())
         ranks = model.plan.data_parallel
         self.config = config
-        self.layout = CacheLayout(specs, config.page_size, config.num_pages * ranks, model.dtype, num_slots * ranks)
+        self.layout = CacheLayout(specs, config.page_size, config.num_pages * ranks, model.dtype, num_slots * ranks,
+                                  kv_dtype=config.kv_dtype, kv_scales=model.kv_scales)
         self.generation_defaults = generation_defaults or GenerationDefaults.read(model.path, model.config.vocab_size)
         self.eos_token_ids = _eos_token_ids(model, self.generation_defaults, tokenizer)
         self.tokenizer = tokenizer

@@ -35,12 +35,14 @@ MAX_HEADER_BYTES = 1 << 28  # a header describes arrays, not data: far below thi
 
 def _tree_nodes() -> dict[str, type]:
     """The pytree node types a program's arguments and results may be built of: the standard
-    containers and the engine's own step inputs (see ``jaxinfer.engine.runner``)."""
+    containers, the engine's own step inputs (see ``jaxinfer.engine.runner``) and the quantized
+    weights (``jaxinfer.quantization``)."""
     from jaxinfer.cache.metadata import StepMetadata
     from jaxinfer.engine.runner import DecodeState
     from jaxinfer.engine.sampling import SamplingBatch
+    from jaxinfer.quantization import QUANTIZED_WEIGHTS
 
-    custom = (StepMetadata, DecodeState, SamplingBatch)
+    custom = (StepMetadata, DecodeState, SamplingBatch, *QUANTIZED_WEIGHTS)
     return {"tuple": tuple, "list": list, "dict": dict, "None": type(None),
             **{f"{c.__module__}.{c.__qualname__}": c for c in custom}}
 

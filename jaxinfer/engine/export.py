@@ -44,6 +44,7 @@ from jaxinfer.engine.manifest import (ALLOCATE, CHECK_FINITE, EXECUTABLE, MANIFE
 from jaxinfer.errors import ExportError, ExportMismatchError
 from jaxinfer import weights
 from jaxinfer.kernels import registry as kernel_registry
+from jaxinfer.quantization import QUANTIZED_WEIGHTS
 
 __all__ = ["ProgramSet", "write_export"]
 
@@ -83,15 +84,28 @@ def _layout_json(layout, plan) -> dict:
             "layers": layers}
 
 
-def _params_json(abstract_params, param_axes: dict) -> tuple[list[dict], list]:
+def _param_json(path: tuple, value, axes: tuple, dtype) -> dict:
+    """A parameter's manifest entry. A quantized weight (``jaxinfer.quantization``) records the shape
+    and serving dtype of the weight it stands for, and its parts (``quantized``: their pytree
+    structure, each part's shape, dtype and spec), which the export's programs take."""
+    if not isinstance(value, QUANTIZED_WEIGHTS):
+        return {"path": list(path), "shape": list(value.shape), "dtype": value.dtype.name,
+                "spec": spec_to_json(value.sharding.spec), "axes": list(axes)}
+    parts = jax.tree.leaves(value)
+    return {"path": list(path), "shape": list(value.shape), "dtype": jnp.dtype(dtype).name,
+            "spec": spec_to_json(parts[0].sharding.spec), "axes": list(axes),
+            "quantized": {"tree": executable_file.tree_to_json(jax.tree.structure(value)),
+                          "parts": [{"shape": list(p.shape), "dtype": p.dtype.name,
+                                     "spec": spec_to_json(p.sharding.spec)} for p in parts]}}
+
+
+def _params_json(abstract_params, param_axes: dict, dtype) -> tuple[list[dict], list]:
     """The parameters in a fixed order (sorted paths): their manifest entries (with their logical
     axes) and the abstract values."""
     from flax import traverse_util
 
     flat = sorted(traverse_util.flatten_dict(abstract_params).items())
-    entries = [{"path": list(path), "shape": list(s.shape), "dtype": s.dtype.name,
-                "spec": spec_to_json(s.sharding.spec), "axes": list(param_axes[path])} for path, s in flat]
-    return entries, [s for _, s in flat]
+    return [_param_json(path, s, param_axes[path], dtype) for path, s in flat], [s for _, s in flat]
 
 
 @contextlib.contextmanager
@@ -163,12 +177,6 @@ def write_export(engine, directory: str, *, portable: bool = False, progress: bo
     """Write ``engine``'s programs (the whole grid) and the manifest to ``directory`` (replaced if it
     holds an export; refused if it holds anything else). Executables are compiled afresh here;
     ``portable`` writes StableHLO where it can. The directory appears complete or not at all."""
-    from jaxinfer.quantization import Fp8Weight
-
-    if any(isinstance(leaf, Fp8Weight) for leaf in jax.tree.leaves(engine.model.params,
-                                                                  is_leaf=lambda x: isinstance(x, Fp8Weight))):
-        raise ExportError("this engine keeps weights in fp8 on the device, which an export cannot record yet: "
-                          "load the checkpoint with quantization=None (dequantized to dtype) to export it")
     directory = os.fspath(directory)
     if os.path.exists(directory) and (not os.path.isdir(directory) or (
             os.listdir(directory) and not os.path.isfile(os.path.join(directory, MANIFEST_FILE)))):
@@ -176,7 +184,7 @@ def write_export(engine, directory: str, *, portable: bool = False, progress: bo
     if portable and importlib.util.find_spec("flatbuffers") is None:  # jax.export serializes with it
         raise ExportError("a portable export needs the flatbuffers package (pip install flatbuffers)")
     runner, config = engine.runner, engine.config
-    param_entries, flat_params = _params_json(runner.abstract_params(), engine.model.param_axes)
+    param_entries, flat_params = _params_json(runner.abstract_params(), engine.model.param_axes, engine.model.dtype)
     keys = engine.grid.keys(config)
 
     # Every program as (name, key, jitted function, abstract arguments); grid programs take their

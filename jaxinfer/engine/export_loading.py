@@ -20,6 +20,7 @@ from jaxinfer.checkpoint_folder import CheckpointFolder
 from jaxinfer.checks import is_integer
 from jaxinfer.engine import memory
 from jaxinfer.engine.aot import BucketGrid
+from jaxinfer.cache.checkpoint_scales import read_kv_scales
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import plan_cache
 from jaxinfer.engine.export import ProgramSet, check_grid
@@ -43,17 +44,19 @@ class OpenExport:
     plan: ShardingPlan
     programs: ProgramSet
 
-    def load_model(self, *, progress: bool = False) -> LoadedModel:
-        """The checkpoint's weights in the export's parameter layout, checked finite by its program."""
+    def load_model(self, *, quantization: str | None = "auto", progress: bool = False) -> LoadedModel:
+        """The checkpoint's weights in the export's parameter layout, checked finite by its program
+        (``quantization``: as ``load_model``'s; the export's programs must take what it keeps)."""
         manifest = self.programs.manifest
         mesh = self.plan.mesh
         param_axes = {tuple(p["path"]): _logical_axes(p) for p in manifest.params}  # checked before any read
         check_finite = self.programs.load(CHECK_FINITE, (abstract_params(manifest, mesh),))
-        params = load_params(manifest, self.checkpoint, self.model_cls, self.model_config, mesh, check_finite,
-                             progress=progress)
+        params = load_params(manifest, self.checkpoint, self.model_cls, self.model_config, self.plan, param_axes,
+                             check_finite, quantization=quantization, progress=progress)
         return LoadedModel(path=self.path, config=self.model_config, model_cls=self.model_cls,
                            model=self.model_cls(self.model_config, self.dtype), params=params, plan=self.plan,
-                           dtype=self.dtype, param_axes=param_axes)
+                           dtype=self.dtype, param_axes=param_axes,
+                           kv_scales=read_kv_scales(self.checkpoint, self.model_cls.cache_specs(self.model_config)))
 
 
 def _logical_axes(entry: dict) -> tuple:
@@ -99,7 +102,8 @@ def _check_fits(manifest: Manifest, config: EngineConfig, model_cls, model_confi
     available = memory.available_bytes()
     if available is None:
         return
-    weights = sum(int(np.prod(p["shape"])) * np.dtype(p["dtype"]).itemsize for p in manifest.params)
+    weights = sum(int(np.prod(part["shape"])) * np.dtype(part["dtype"]).itemsize
+                  for p in manifest.params for part in (p["quantized"]["parts"] if "quantized" in p else [p]))
     plan_cache(config, model_cls.cache_specs(model_config), dtype, available - weights)
 
 

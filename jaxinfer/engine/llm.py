@@ -59,7 +59,8 @@ class LLM:
     confined to it); its executables are compiled device code (see ``jaxinfer.engine.export``).
 
     ``quantization="auto"`` keeps an fp8 checkpoint's weights in fp8 on the device (None: dequantized
-    to ``dtype`` on load; ``jaxinfer.quantization``).
+    to ``dtype`` on load; ``jaxinfer.quantization``). ``kv_cache_dtype="fp8"`` (an ``EngineConfig``
+    option) keeps the paged KV cache in float8_e4m3fn with per-layer scales (``jaxinfer.cache.fp8``).
 
     ``tensor_parallel_size=T`` splits each layer over ``T`` devices (``enable_expert_parallel=True``:
     MoE experts split whole); ``mesh`` gives a custom mesh instead (``jaxinfer.sharding.make_mesh``).
@@ -105,7 +106,7 @@ class LLM:
             if config.cache_dir():  # before loading: the weight checks compile too
                 enable_compilation_cache(config.cache_dir())
             if export is not None:
-                self.model = export.load_model(progress=config.show_progress)
+                self.model = export.load_model(quantization=quantization, progress=config.show_progress)
             else:
                 self.model = load_model(path, dtype, quantization=quantization, mesh=mesh,
                                         progress=config.show_progress, **config.parallelism())

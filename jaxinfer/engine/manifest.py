@@ -41,7 +41,9 @@ CHECK_FINITE = "check_finite"  # the program that refuses NaN / Inf weights afte
 # compilation cache, progress bars, ...) are free at load time.
 PROGRAM_OPTIONS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "num_pages",
                    "decode_steps", "max_logprobs", "max_stop_token_ids", "min_token_bucket", "page_bucket_growth",
-                   "tensor_parallel_size", "data_parallel_size", "enable_expert_parallel")
+                   "tensor_parallel_size", "data_parallel_size", "enable_expert_parallel", "kv_cache_dtype")
+# Program options exports record since they were added; an export without one was built with this value.
+LATER_OPTIONS = {"kv_cache_dtype": "auto"}
 
 
 class ExportFolder(ConfinedFolder):
@@ -133,7 +135,9 @@ class Manifest:
     kernel_target: dict  # what the kernels were chosen for (jaxinfer.kernels.registry.Target)
     grid: dict  # token_buckets, seq_buckets, page_buckets
     cache: dict  # page_size, num_pages, num_slots, layers: [{array: {shape, dtype, spec}}]
-    params: list[dict]  # {path: [...], shape, dtype, spec, axes}, in the order the check_finite program takes them
+    # {path: [...], shape, dtype, spec, axes[, quantized: {tree, parts: [{shape, dtype, spec}]}]}, in the order
+    # the check_finite program takes them
+    params: list[dict]
     programs: list[ProgramEntry]
 
     def to_json(self) -> str:
@@ -173,6 +177,9 @@ class Manifest:
                            ("grid", dict), ("cache", dict), ("params", list), ("kernel_target", dict)):
             if not isinstance(getattr(self, name), kind):
                 raise ValueError(f"{name!r} must be a {kind.__name__}")
+        for p in self.params:
+            if isinstance(p, dict) and "quantized" in p and not _is_quantized_record(p["quantized"]):
+                raise ValueError(f"parameter {p.get('path')!r} has a malformed quantized record")
         names = set()
         for p in self.programs:
             if p.form not in FORMS:
@@ -243,8 +250,8 @@ class Manifest:
         explicitly) must agree with them; ``dtype`` ("auto"/None: the export's) too."""
         given = {name: value for name, value in given.items()  # None: "the default" for these two
                  if name in PROGRAM_OPTIONS and not (value is None and name in ("max_model_len", "num_pages"))}
-        wrong = [f"{name}={value!r} (the export has {self.engine.get(name)!r})" for name, value in sorted(given.items())
-                 if value != self.engine.get(name)]
+        wrong = [f"{name}={value!r} (the export has {self._option(name)!r})" for name, value in sorted(given.items())
+                 if value != self._option(name)]
         if dtype not in (None, "auto") and _dtype_name(dtype) != self.dtype:
             wrong.append(f"dtype={_dtype_name(dtype)!r} (the export has {self.dtype!r})")
         if wrong:
@@ -252,7 +259,13 @@ class Manifest:
                 "the export's programs were built for other engine options: " + "; ".join(wrong) +
                 ". Leave these options out to serve with the export's, or export again with them"
             )
-        return {name: self.engine[name] for name in PROGRAM_OPTIONS}
+        return {name: self._option(name) for name in PROGRAM_OPTIONS}
+
+    def _option(self, name: str):
+        """The export's value of program option ``name`` (``LATER_OPTIONS``' where it records none)."""
+        if name not in self.engine and name in LATER_OPTIONS:
+            return LATER_OPTIONS[name]
+        return self.engine[name]
 
     def check_files(self, directory: str) -> None:
         """Every program file is present inside the directory with the size and sha256 the manifest
@@ -270,6 +283,13 @@ class Manifest:
             if sha256_file(real) != p.sha256:
                 raise ExportError(f"{path} does not match the sha256 the manifest records for {p.name}: the file is "
                                   "corrupt or was replaced, or the manifest was edited: export again")
+
+
+def _is_quantized_record(raw) -> bool:
+    """A quantized parameter's record: its pytree structure and a {shape, dtype, spec} per part."""
+    parts = raw.get("parts") if isinstance(raw, dict) else None
+    return (isinstance(parts, list) and "tree" in raw
+            and all(isinstance(part, dict) and {"shape", "dtype", "spec"} <= set(part) for part in parts))
 
 
 def _dumps(value, indent: int = 0) -> str:

@@ -268,11 +268,13 @@ class ModelRunner:
 
     def _zero_caches(self):
         abstract = self.layout.abstract(self.model.plan)
-        return [{name: jnp.zeros(s.shape, s.dtype) for name, s in layer.items()} for layer in abstract]
+        fills = [self.layout.fill_values(layer) for layer in range(len(abstract))]
+        return [{name: jnp.full(s.shape, fill[name], s.dtype) for name, s in layer.items()}
+                for layer, fill in zip(abstract, fills)]
 
     def allocator_program(self):
         """The jitted program that makes the zero-filled caches (zeros, so stale or unused pages and
-        slots never hold NaNs) on the devices, in their shardings."""
+        slots never hold NaNs; an fp8 array's scale holds its value) on the devices, in their shardings."""
         shardings = [{name: s.sharding for name, s in layer.items()} for layer in self.layout.abstract(self.model.plan)]
         return jax.jit(self._zero_caches, out_shardings=shardings)
 

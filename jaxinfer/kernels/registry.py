@@ -63,6 +63,15 @@ class Target:
         """A Hopper GPU (sm_90), which the Mosaic GPU kernels (wgmma, TMA) need; they have no interpreter."""
         return self.gpu and self.compute_capability.startswith("9.")
 
+    @property
+    def reads_float8(self) -> bool:
+        """Whether Pallas kernels can read float8 e4m3 here: interpreted, or on a GPU of compute
+        capability 8.9 and up (Ada, Hopper), from which Triton converts e4m3."""
+        if self.interpret:
+            return True
+        capability = tuple(int(p) for p in self.compute_capability.split(".") if p.isdigit())
+        return self.gpu and capability >= (8, 9)
+
     @classmethod
     def of_device(cls, device=None, *, mesh_size: int = 1) -> "Target":
         device = device if device is not None else jax.devices()[0]

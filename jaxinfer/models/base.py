@@ -14,6 +14,7 @@ from typing import ClassVar
 import flax.linen as nn
 import jax.numpy as jnp
 
+from jaxinfer.cache.checkpoint_scales import SCALE_NAME
 from jaxinfer.cache.specs import CacheSpec
 from jaxinfer.config import ModelConfig
 
@@ -27,8 +28,9 @@ class CausalLM(nn.Module):
     # Capability flags.
     supports_tensor_parallel: ClassVar[bool] = True
     supports_expert_parallel: ClassVar[bool] = False
-    # Checkpoint tensors that are derived buffers, not parameters (regexes over HF names).
-    ignored_checkpoint_keys: ClassVar[tuple[str, ...]] = (r".*rotary_emb\.inv_freq$",)
+    # Checkpoint tensors that are derived buffers, not parameters (regexes over HF names); KV-cache
+    # scales are read for an fp8 cache by jaxinfer.cache.checkpoint_scales.
+    ignored_checkpoint_keys: ClassVar[tuple[str, ...]] = (r".*rotary_emb\.inv_freq$", SCALE_NAME.pattern)
 
     @classmethod
     def validate_config(cls, config: ModelConfig) -> None:

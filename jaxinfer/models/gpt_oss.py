@@ -5,8 +5,9 @@ On disk the experts are fused, in ``x @ W`` orientation: ``gate_up_proj`` ``[E, 
 and up **interleaved** (even / odd columns) and ``down_proj`` ``[E, I, H]``, each with a bias; or
 MXFP4-quantised as ``*_blocks`` (uint8, two FP4 values per byte) and ``*_scales`` (uint8 exponents,
 bias 127), one scale per 32 values, stored ``[E, 2I, H]`` / ``[E, H, I]``. Both are re-laid out on
-load into the stacked nn.Linear layout every MoE model here uses (MXFP4 dequantised to the serving
-dtype).
+load into the stacked nn.Linear layout every MoE model here uses. MXFP4 experts stay packed on the
+device (``jaxinfer.quantization.Mxfp4Weight``) with ``quantization="auto"`` where each device's piece
+is whole groups of 32; else (and with ``quantization=None``) they are dequantised to the serving dtype.
 """
 
 from __future__ import annotations
@@ -17,23 +18,8 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.models.decoder import DecoderForCausalLM, DecoderSpec, LayerSpec, NormStyle, layer_windows
 from jaxinfer.models.layers.attention import GQA
 from jaxinfer.models.layers.moe import MoESpec
+from jaxinfer.quantization import Mxfp4Tensor
 from jaxinfer.weights import Derived, Tensor
-
-FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-                      np.float32)
-
-
-def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """blocks uint8 [..., G, B], scales uint8 [..., G] -> float32 [..., G * 2B].
-
-    Each byte holds two FP4 (e2m1) values, low nibble first; each group of 2B values shares the
-    power-of-two scale ``2 ** (scale - 127)``.
-    """
-    low = FP4_VALUES[blocks & 0x0F]
-    high = FP4_VALUES[blocks >> 4]
-    values = np.stack([low, high], axis=-1).reshape(*blocks.shape[:-1], 2 * blocks.shape[-1])
-    values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
-    return values.reshape(*blocks.shape[:-2], -1)
 
 
 def _expert_sources(prefix: str, available: set[str]) -> dict[str, object]:
@@ -45,14 +31,10 @@ def _expert_sources(prefix: str, available: set[str]) -> dict[str, object]:
         "down_proj_bias": Tensor(f"{down}_bias"),
     }
     if f"{gate_up}_blocks" in available:  # MXFP4: rows are output features already ([E, 2I, H], [E, H, I])
-        names = [f"{gate_up}_blocks", f"{gate_up}_scales"]
-        rows = lambda b, s: (b[0], b[1] // 2, b[2] * b[3] * 2)  # noqa: E731
-        # Rows quantise independently: slice first, so each parameter dequantises only its own half.
-        packed = ("U8",)  # two FP4 values per byte, and power-of-two exponents
-        sources["gate_proj"] = Derived(names, lambda b, s: dequantize_mxfp4(b[:, 0::2], s[:, 0::2]), rows, packed)
-        sources["up_proj"] = Derived(names, lambda b, s: dequantize_mxfp4(b[:, 1::2], s[:, 1::2]), rows, packed)
-        sources["down_proj"] = Derived([f"{down}_blocks", f"{down}_scales"], dequantize_mxfp4,
-                                       lambda b, s: (b[0], b[1], b[2] * b[3] * 2), packed)
+        gate_up_parts = (f"{gate_up}_blocks", f"{gate_up}_scales")
+        sources["gate_proj"] = Mxfp4Tensor(*gate_up_parts, rows=slice(0, None, 2))
+        sources["up_proj"] = Mxfp4Tensor(*gate_up_parts, rows=slice(1, None, 2))
+        sources["down_proj"] = Mxfp4Tensor(f"{down}_blocks", f"{down}_scales")
     else:  # [E, H, 2I] and [E, I, H], used as x @ W
         swap = lambda s: (s[0], s[2] // 2, s[1])  # noqa: E731
         sources["gate_proj"] = Derived([gate_up], lambda w: w[:, :, 0::2].transpose(0, 2, 1), swap)

@@ -11,7 +11,7 @@ import jax
 from flax import traverse_util
 from jax.sharding import PartitionSpec as P
 
-from jaxinfer.quantization import Fp8Weight, spec_of
+from jaxinfer.quantization import QUANTIZED_WEIGHTS, spec_of
 from jaxinfer.sharding.local import local_view
 from jaxinfer.sharding.plan import ShardingPlan
 
@@ -23,7 +23,7 @@ def param_specs(plan: ShardingPlan, param_axes: dict, params: dict | None = None
     specs = {}
     for path, axes in param_axes.items():
         spec = plan.spec(axes)
-        specs[path] = spec_of(values[path], spec) if isinstance(values.get(path), Fp8Weight) else spec
+        specs[path] = spec_of(values[path], spec) if isinstance(values.get(path), QUANTIZED_WEIGHTS) else spec
     return traverse_util.unflatten_dict(specs)
 
 

@@ -10,6 +10,11 @@ stays an XLA scatter (with the caches donated it updates in place).
 The ragged op takes the step's named arrays: token ``t`` of sequence ``token_seq_ids[t]`` (-1:
 padding, which gets zeros) at ``positions[t]``; sequence ``s`` holds ``seq_lens[s]`` tokens in the
 pages ``block_tables[s]``.
+
+An fp8 cache (``kv_cache_dtype="fp8"``) comes with its scales: every op then takes ``k_scale`` and
+``v_scale`` (float32 scalars; ``jaxinfer.cache.fp8``). The rotary cache write and the decode kernels
+(fused or not) write and read e4m3 themselves; the prefill kernels refuse fp8 caches, which the
+reference serves.
 """
 
 from __future__ import annotations
@@ -46,9 +51,9 @@ rotary_paged_decode_attention_op = Op("attention.rotary_paged_decode_attention",
 ))
 
 
-def write_kv_cache(k_cache, v_cache, k, v, slot_mapping):
+def write_kv_cache(k_cache, v_cache, k, v, slot_mapping, **scales):
     """New K/V rows [T, kv_heads, d] into their slots (negative: dropped) -> (k_cache, v_cache)."""
-    return write_kv_cache_op(k_cache, v_cache, k, v, slot_mapping)
+    return write_kv_cache_op(k_cache, v_cache, k, v, slot_mapping, **scales)
 
 
 def rotary_cache_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, **options):

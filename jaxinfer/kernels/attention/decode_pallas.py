@@ -31,6 +31,13 @@ new token; the split holding the new token's position adds it to its online soft
 and writes k and v into the cache slot (no program reads that row, so the write races with nothing).
 One launch of ``rotary_pallas`` per layer goes. Its timings against the two kernels, and the variants
 not kept, are in docs/performance.md, "Paged decode attention kernel".
+
+**An fp8 cache** (``kv_cache_dtype="fp8"``): the kernel gathers e4m3 rows (half the bytes of bf16),
+converts them to q's dtype in registers (exact: e4m3 values are bf16 values), multiplies the scores
+by ``k_scale`` and the output by ``v_scale``. The fused form writes an fp8 cache with the XLA write
+(``reference.rotary_cache_write``) and then runs this kernel: the new token is read back quantized,
+as the reference reads it. Not measured on a GPU yet; the kernel serves fp8 caches because it reads
+half the bytes of the reference's gather of the whole cache.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxinfer.cache import fp8
 from jaxinfer.kernels import pdl, registry
 from jaxinfer.kernels.attention import reference, rotary_pallas
 
@@ -123,16 +131,23 @@ def _fresh_kv(k_new_ref, v_new_ref, tables, k_norm_ref, cache_dtype, fresh: Fres
 
 
 def _kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, *rest, rows, scale, page_size, block_tokens, blocks_per_split,
-            sliding_window, logit_softcap, final, has_sinks, num_heads_per_kv, fresh: FreshToken | None):
+            sliding_window, logit_softcap, final, has_sinks, num_heads_per_kv, fresh: FreshToken | None,
+            fp8_cache: bool = False):
     """One (sequence, KV head, split): the online softmax over the split's blocks. ``final`` (one
     split): normalise, add the sinks and write the output; else write the partial ``o``, ``m``, ``l``.
 
     ``fresh``: ``q_ref`` holds the raw q rows, and the sequence's last token (position length - 1) is
     the step's new one, taken from registers instead of the cache by the split that holds it, which
     also writes it into the cache.
+
+    ``fp8_cache``: the caches are e4m3, and the next input holds ``[k_scale, v_scale]``.
     """
     split = pl.program_id(2)
     head_dim = q_ref.shape[-1]
+    score_scale = scale
+    if fp8_cache:
+        kv_scale_ref, *rest = rest
+        score_scale = scale * kv_scale_ref[0]
     if fresh is not None:
         slot_ref, k_new_ref, v_new_ref, cos_ref, sin_ref, *rest = rest
         q_norm_ref = k_norm_ref = None
@@ -152,9 +167,8 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, *rest, rows, scale, page_size,
         """The block's ``[block_tokens, d]`` keys or values; ``mask`` ([block_tokens]) skips the
         reads of invisible tokens and gives them zeros."""
         index = (rows[:, None], lax.broadcasted_iota(jnp.int32, (1, head_dim), 1))
-        if mask is None:
-            return ref[index]
-        return plgpu.load(ref.at[index], mask=mask[:, None], other=0.0)
+        values = ref[index] if mask is None else plgpu.load(ref.at[index], mask=mask[:, None], other=0.0)
+        return values.astype(q_ref.dtype) if fp8_cache else values  # e4m3 -> q's dtype, in registers
 
     def visible_tokens(block, length, shape):
         token = block * block_tokens + lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
@@ -164,7 +178,7 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, *rest, rows, scale, page_size,
         return visible
 
     def scores(q, k):
-        s = plgpu.dot(q, k, trans_b=True) * scale  # [rows, block_tokens] float32
+        s = plgpu.dot(q, k, trans_b=True) * score_scale  # [rows, block_tokens] float32
         if logit_softcap:
             s = logit_softcap * jnp.tanh(s / logit_softcap)
         return s
@@ -239,6 +253,8 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, *rest, rows, scale, page_size,
             k_out_ref[pl.ds(slot, 1), :] = k_new
             v_out_ref[pl.ds(slot, 1), :] = v_new
 
+    if fp8_cache:  # o is linear in the values: their scale once, here
+        o = o * kv_scale_ref[1]
     group = num_heads_per_kv
     if not final:  # the partial results of the rows the combine reads
         o_ref, m_ref, l_ref = rest
@@ -322,16 +338,20 @@ def fused_decode_warps(blocks_per_split: int) -> int:
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "logit_softcap", "interpret",
                                              "block_tokens", "num_splits", "num_warps", "num_stages"))
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale, sliding_window=None,
-                           logit_softcap=None, sinks=None, interpret=False, block_tokens=None, num_splits=None,
-                           num_warps=4, num_stages=3):
+                           logit_softcap=None, sinks=None, k_scale=None, v_scale=None, interpret=False,
+                           block_tokens=None, num_splits=None, num_warps=4, num_stages=3):
     """q [S, heads, d]; caches [kv_heads, num_pages, page_size, d]; block_tables [S, P]; seq_lens [S].
+    fp8 caches come with their float32 scales ``k_scale`` / ``v_scale`` (``jaxinfer.cache.fp8``).
 
     Tuning (``None``: ``default_blocking``): ``block_tokens`` keys per step (a power of two),
     ``num_splits`` programs per (sequence, KV head), Triton ``num_warps``/``num_stages``.
     """
+    fp8.check_scale(k_cache, k_scale, "K")
+    fp8.check_scale(v_cache, v_scale, "V")
+    kv_scales = None if k_scale is None else jnp.stack([k_scale, v_scale]).astype(jnp.float32)
     out, _ = _decode(q, k_cache, v_cache, block_tables, seq_lens, scale=scale, sliding_window=sliding_window,
                      logit_softcap=logit_softcap, sinks=sinks, interpret=interpret, block_tokens=block_tokens,
-                     num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
+                     num_splits=num_splits, num_warps=num_warps, num_stages=num_stages, kv_scales=kv_scales)
     return out
 
 
@@ -341,8 +361,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale
                    donate_argnums=(5, 6))
 def rotary_paged_decode_attention(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens, *,
                                   scale, q_norm=None, k_norm=None, norm_eps: float = 1e-6, sliding_window=None,
-                                  logit_softcap=None, sinks=None, interpret=False, block_tokens=None,
-                                  num_splits=None, num_warps=None, num_stages=3, kv_reads_first=False):
+                                  logit_softcap=None, sinks=None, k_scale=None, v_scale=None, interpret=False,
+                                  block_tokens=None, num_splits=None, num_warps=None, num_stages=3,
+                                  kv_reads_first=False):
     """``reference.rotary_paged_decode_attention`` (the q/k norm, RoPE, cache write and decode attention
     of one step) in one launch (plus the split merge): ``rotary_pallas``'s work is done by the
     attention programs themselves. q [S, heads, d], k/v [S, kv_heads, d], cos/sin [S, rotary_dim];
@@ -353,7 +374,8 @@ def rotary_paged_decode_attention(q, k, v, cos, sin, k_cache, v_cache, slot_mapp
 
     Tuning as ``paged_decode_attention``'s, except ``num_warps=None``: ``fused_decode_warps``.
     ``kv_reads_first``: with one block per program, issue the K/V reads before the rotation (off:
-    measured no faster, docs/performance.md, "Paged decode attention kernel")."""
+    measured no faster, docs/performance.md, "Paged decode attention kernel"). fp8 caches (with
+    ``k_scale`` / ``v_scale``) take the XLA cache write, then ``paged_decode_attention``."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_cache.shape
     rotary_dim = cos.shape[-1]
@@ -361,6 +383,14 @@ def rotary_paged_decode_attention(q, k, v, cos, sin, k_cache, v_cache, slot_mapp
     attention = dict(scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks,
                      interpret=interpret, block_tokens=block_tokens, num_splits=num_splits, num_warps=num_warps,
                      num_stages=num_stages)
+    if fp8.is_fp8(k_cache.dtype) or fp8.is_fp8(v_cache.dtype):
+        q, k_cache, v_cache = reference.rotary_cache_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
+                                                           q_norm=q_norm, k_norm=k_norm, norm_eps=norm_eps,
+                                                           k_scale=k_scale, v_scale=v_scale)
+        out = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, k_scale=k_scale, v_scale=v_scale,
+                                     **attention)
+        return out, k_cache, v_cache
+    fp8.check_scale(k_cache, k_scale, "K")
     if not rotary_pallas.shapes_fit(num_heads, num_kv_heads, head_dim, rotary_dim):
         q, k_cache, v_cache = rotary_pallas.rotary_cache_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
                                                                q_norm=q_norm, k_norm=k_norm, norm_eps=norm_eps,
@@ -380,9 +410,11 @@ def rotary_paged_decode_attention(q, k, v, cos, sin, k_cache, v_cache, slot_mapp
 
 
 def _decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale, sliding_window, logit_softcap, sinks, interpret,
-            block_tokens, num_splits, num_warps, num_stages, fresh: FreshToken | None = None, fresh_inputs=()):
+            block_tokens, num_splits, num_warps, num_stages, fresh: FreshToken | None = None, fresh_inputs=(),
+            kv_scales=None):
     """The decode kernel and the split merge -> (out, updated caches or None). ``fresh``: the fused
-    form, ``q`` raw, ``fresh_inputs`` = slot_mapping [S, 1], k, v, cos, sin[, q_norm, k_norm]."""
+    form, ``q`` raw, ``fresh_inputs`` = slot_mapping [S, 1], k, v, cos, sin[, q_norm, k_norm].
+    ``kv_scales``: ``[k_scale, v_scale]`` of fp8 caches (not with ``fresh``)."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -411,7 +443,7 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale, sliding_windo
     kernel = functools.partial(_kernel, rows=rows, scale=scale, page_size=page_size, block_tokens=block_tokens,
                                blocks_per_split=blocks_per_split, sliding_window=sliding_window,
                                logit_softcap=logit_softcap, final=final, has_sinks=final and sinks is not None,
-                               num_heads_per_kv=group, fresh=fresh)
+                               num_heads_per_kv=group, fresh=fresh, fp8_cache=kv_scales is not None)
     # Each KV head's pages as one [pages * page_size, d] array of rows (a free reshape).
     cache_rows_shape = (num_kv_heads, k_cache.shape[1] * page_size, head_dim)
     cache_spec = pl.BlockSpec((None,) + cache_rows_shape[1:], lambda s, h, k: (h, 0, 0))
@@ -424,6 +456,9 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale, sliding_windo
         pl.BlockSpec((None, padded_pages), lambda s, h, k: (s, 0)),
         pl.BlockSpec((None, 1), lambda s, h, k: (s, 0)),
     ]
+    if kv_scales is not None:
+        inputs.append(kv_scales)
+        in_specs.append(pl.BlockSpec((2,), lambda s, h, k: (0,)))
     if fresh is not None:  # slot [S, 1], this KV head's new k and v rows, the cos/sin tables, the norms
         slots, k_new, v_new, *whole_arrays = fresh_inputs
         new_row = pl.BlockSpec((None, 1, head_dim), lambda s, h, k: (s, h, 0))

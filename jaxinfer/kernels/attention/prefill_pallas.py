@@ -35,6 +35,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
+from jaxinfer.cache import fp8
+
 
 _LOG2E = math.log2(math.e)
 _M_INIT = -1e30  # finite start of the running max: masked (-inf) logits then give exp2(-inf) = 0
@@ -209,10 +211,12 @@ def _prefill_kernel(meta_ref, bt_ref, pos_ref, qidx_ref, q_ref, k_ref, v_ref, *r
 
 def supports(q, k_cache, v_cache, *args, **options) -> bool:
     """Whether the kernel takes these operands: K and V caches alike, q's head dim theirs, query heads
-    a multiple of the KV heads, head dim and page size powers of two."""
+    a multiple of the KV heads, head dim and page size powers of two; not an fp8 cache (the reference
+    serves ``kv_cache_dtype="fp8"``)."""
     num_kv_heads, _, page_size, head_dim = k_cache.shape
-    return (k_cache.shape == v_cache.shape and q.shape[-1] == head_dim and q.shape[1] % num_kv_heads == 0
-            and _is_pow2(head_dim) and _is_pow2(page_size))
+    quantized = fp8.is_fp8(k_cache.dtype) or fp8.is_fp8(v_cache.dtype) or {"k_scale", "v_scale"} & set(options)
+    return (not quantized and k_cache.shape == v_cache.shape and q.shape[-1] == head_dim
+            and q.shape[1] % num_kv_heads == 0 and _is_pow2(head_dim) and _is_pow2(page_size))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "logit_softcap", "interpret", "block_q",

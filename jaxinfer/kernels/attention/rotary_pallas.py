@@ -16,6 +16,9 @@ the faster (both measured: docs/performance.md, "q/k norm, RoPE and cache write 
 Power-of-two head counts and head dims only (Triton blocks); any other shape runs the reference.
 At a decode step the decode attention kernel does this work itself (``decode_pallas``'s fused form,
 through ``RotaryColumns`` and ``norm_rotate``); this kernel serves prefill and mixed steps.
+
+An fp8 cache (``kv_cache_dtype="fp8"``) is written as the reference writes it: k and v rounded to
+their own dtype, then ``clip(x / scale, -448, 448)`` in e4m3 (``jaxinfer.cache.fp8``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from jaxinfer.cache import fp8
 
 from jaxinfer.kernels.attention import reference
 
@@ -77,12 +82,15 @@ def norm_rotate(x, x_partner, cos, sin, columns: RotaryColumns, norm_ref=None, e
 
 
 def _kernel(slot_ref, q_ref, k_ref, v_ref, cos_ref, sin_ref, *rest, has_norm: bool, eps: float, rotary_dim: int,
-            page_size: int, num_slots: int):
+            page_size: int, num_slots: int, fp8_cache: bool = False):
+    """``rest``: [q_norm, k_norm,] [kv_scales ([k_scale, v_scale] of an fp8 cache),] the caches in,
+    then the outputs: q, the caches."""
+    q_norm_ref = k_norm_ref = kv_scale_ref = None
     if has_norm:
-        q_norm_ref, k_norm_ref, _, _, q_out_ref, k_cache_ref, v_cache_ref = rest
-    else:
-        _, _, q_out_ref, k_cache_ref, v_cache_ref = rest
-        q_norm_ref = k_norm_ref = None
+        q_norm_ref, k_norm_ref, *rest = rest
+    if fp8_cache:
+        kv_scale_ref, *rest = rest
+    _, _, q_out_ref, k_cache_ref, v_cache_ref = rest
     t, g = pl.program_id(0), pl.program_id(1)
     columns = RotaryColumns(q_ref.shape[-1], rotary_dim)
     cos, sin = columns.table_row(cos_ref, t), columns.table_row(sin_ref, t)
@@ -97,26 +105,35 @@ def _kernel(slot_ref, q_ref, k_ref, v_ref, cos_ref, sin_ref, *rest, has_norm: bo
     k = rotate(k_ref, k_norm_ref)
     slot = slot_ref[t]
 
+    def stored(x, cache_ref, which: int):
+        if not fp8_cache:
+            return x.astype(cache_ref.dtype)
+        x = x.astype(k_ref.dtype if which == 0 else v_ref.dtype).astype(jnp.float32) / kv_scale_ref[which]
+        return jnp.clip(x, -fp8.FP8_MAX, fp8.FP8_MAX).astype(cache_ref.dtype)
+
     @pl.when((slot >= 0) & (slot < num_slots))
     def _():
         page, offset = slot // page_size, slot % page_size
         kv_heads = pl.ds(g * k_ref.shape[0], k_ref.shape[0])  # this program's KV heads
-        k_cache_ref[kv_heads, page, offset, :] = k.astype(k_cache_ref.dtype)
-        v_cache_ref[kv_heads, page, offset, :] = v_ref[...].astype(v_cache_ref.dtype)
+        k_cache_ref[kv_heads, page, offset, :] = stored(k, k_cache_ref, 0)
+        v_cache_ref[kv_heads, page, offset, :] = stored(v_ref[...], v_cache_ref, 1)
 
 
 @functools.partial(jax.jit, static_argnames=("norm_eps", "interpret"), donate_argnums=(5, 6))
 def rotary_cache_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, *, q_norm=None, k_norm=None,
-                       norm_eps: float = 1e-6, interpret: bool = False):
+                       norm_eps: float = 1e-6, k_scale=None, v_scale=None, interpret: bool = False):
     """q [T, heads, d], k/v [T, kv_heads, d], cos/sin [T, rotary_dim] float32, caches [kv_heads, pages,
-    page_size, d] (updated in place), slot_mapping [T] -> (q, k_cache, v_cache); see the reference."""
+    page_size, d] (updated in place), slot_mapping [T] -> (q, k_cache, v_cache); see the reference.
+    fp8 caches come with their float32 scales ``k_scale`` / ``v_scale``."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_cache.shape
     rotary_dim = cos.shape[-1]
     reference.check_qk_norm(q_norm, k_norm)
+    fp8.check_scale(k_cache, k_scale, "K")
+    fp8.check_scale(v_cache, v_scale, "V")
     if not shapes_fit(num_heads, num_kv_heads, head_dim, rotary_dim) or num_tokens == 0:
         return reference.rotary_cache_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_norm=q_norm,
-                                            k_norm=k_norm, norm_eps=norm_eps)
+                                            k_norm=k_norm, norm_eps=norm_eps, k_scale=k_scale, v_scale=v_scale)
     has_norm = q_norm is not None
     q_out_dtype = jnp.result_type(q_norm, q) if has_norm else q.dtype  # the reference's: weight * normed q
     kv_per_program = 1 if num_tokens < SPLIT_HEADS_BELOW else num_kv_heads
@@ -129,11 +146,15 @@ def rotary_cache_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, *, q_n
     if has_norm:
         inputs += [q_norm, k_norm]
         in_specs += [whole(q_norm), whole(k_norm)]
+    fp8_cache = k_scale is not None
+    if fp8_cache:
+        inputs.append(jnp.stack([k_scale, v_scale]).astype(jnp.float32))
+        in_specs.append(whole(inputs[-1]))
     cache_index = len(inputs)
     inputs += [k_cache, v_cache]
     in_specs += [whole(k_cache), whole(v_cache)]
     kernel = functools.partial(_kernel, has_norm=has_norm, eps=float(norm_eps), rotary_dim=rotary_dim,
-                               page_size=page_size, num_slots=num_pages * page_size)
+                               page_size=page_size, num_slots=num_pages * page_size, fp8_cache=fp8_cache)
     return tuple(pl.pallas_call(
         kernel,
         grid=(num_tokens, num_kv_heads // kv_per_program),

@@ -16,6 +16,13 @@ order of the sum differs. The output is rounded to ``x``'s dtype, then the bias 
 
 ``norm_project`` is the same kernel at one row with the RMSNorm before it folded in: the row's
 inverse RMS scales the outputs at the end, so no program waits for the norm before its weight loads.
+
+fp8 weights (``Fp8Weight``, mixed with plain ones in one launch) are read as stored, half the bytes
+of bf16: each tile's e4m3 values times their scales in float32, rounded to x's dtype in registers,
+which is the reference's dequantized weight exactly. The reduction tile divides every block-scaled
+weight's column block (``fp8.aligned_block_k``), so one scale serves each weight row of a tile;
+block sizes whose largest power-of-two factor is under ``MIN_BLOCK_K`` are not taken
+(``takes_weights``). Per-tensor scales put no limit on the tile.
 """
 
 from __future__ import annotations
@@ -30,10 +37,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.kernels import pdl
-from jaxinfer.kernels.linear import reference
+from jaxinfer.kernels.linear import fp8, reference
 from jaxinfer.kernels.tiles import load_tile
 
 MAX_ROWS = 16  # the most rows of x the kernel takes (the dispatcher uses it at one row: see __init__.py)
+MIN_BLOCK_K = 16  # the narrowest reduction tile (the tensor-core dot's minimum)
+MAX_ALIGNED_BLOCK_N = 16  # the most weight rows per program when an fp8 block narrows the reduction tile
 
 
 def _next_pow2(n: int) -> int:
@@ -57,8 +66,8 @@ def default_blocking(rows: int, in_features: int) -> Blocking:
     blocking was chosen by a sweep on the H200: docs/performance.md, "Few-row projection kernel".
     """
     if rows == 1:
-        return Blocking(4, min(1024, max(16, _next_pow2(in_features))), num_warps=4, num_stages=3)
-    return Blocking(16, min(256, max(16, _next_pow2(in_features))), num_warps=4, num_stages=3)
+        return Blocking(4, min(1024, max(MIN_BLOCK_K, _next_pow2(in_features))), num_warps=4, num_stages=3)
+    return Blocking(16, min(256, max(MIN_BLOCK_K, _next_pow2(in_features))), num_warps=4, num_stages=3)
 
 
 def default_norm_blocking(in_features: int) -> Blocking:
@@ -69,15 +78,69 @@ def default_norm_blocking(in_features: int) -> Blocking:
     """
     width = _next_pow2(in_features)
     if width <= 2048:
-        return Blocking(8, max(16, width), num_warps=4, num_stages=1)
+        return Blocking(8, max(MIN_BLOCK_K, width), num_warps=4, num_stages=1)
     return default_blocking(1, in_features)
 
 
-def _weight_block(w_ref, n0, k0, *, block_n: int, block_k: int):
-    """``w[n0:n0+block_n, k0:k0+block_k]``, zeros past the weight's ends."""
-    n_size, k_size = w_ref.shape
-    return load_tile(w_ref.at[pl.ds(n0, block_n), pl.ds(k0, block_k)], n0, k0, n_size=n_size, k_size=k_size,
+def takes_weights(weights) -> bool:
+    """Whether a reduction tile of at least ``MIN_BLOCK_K`` columns fits inside one scale block of
+    every block-scaled fp8 weight (plain and per-tensor weights always fit)."""
+    return fp8.aligned_block_k(weights, MIN_BLOCK_K) == MIN_BLOCK_K
+
+
+def aligned_blocking(blocking: Blocking, weights) -> Blocking:
+    """``blocking`` with its reduction tile narrowed to fit one scale block of every block-scaled fp8
+    weight, and its weight rows per program multiplied as the tile narrowed (up to
+    ``MAX_ALIGNED_BLOCK_N``) so that a step still loads about as many values; pipelined, since the
+    narrower tile makes a reduction loop. Not yet measured on a GPU (``scripts/bench_fp8.py`` sweeps
+    it)."""
+    block_k = fp8.aligned_block_k(weights, blocking.block_k)
+    if block_k == blocking.block_k:
+        return blocking
+    if block_k < MIN_BLOCK_K:
+        raise ValueError(f"an fp8 weight's column block has no power-of-two factor of at least {MIN_BLOCK_K}: "
+                         f"blocks {[w.block for w in weights if fp8.is_fp8(w)]}")
+    block_n = max(blocking.block_n, min(MAX_ALIGNED_BLOCK_N, blocking.block_n * (blocking.block_k // block_k)))
+    return Blocking(block_n, block_k, blocking.num_warps, max(blocking.num_stages, 3))
+
+
+def _check_aligned(blocking: Blocking, weights) -> Blocking:
+    for i, w in enumerate(weights):
+        if fp8.is_fp8(w) and w.block is not None and w.block[1] % blocking.block_k:
+            raise ValueError(f"block_k ({blocking.block_k}) must divide fp8 weight {i}'s column block "
+                             f"({w.block[1]}): a tile takes one scale per weight row")
+    return blocking
+
+
+class _WeightRefs(NamedTuple):
+    """A weight as the kernel reads it: its values, and for an fp8 weight its scales and block."""
+
+    values: object
+    scales: object = None
+    block: tuple[int, int] | None = None
+
+
+def _row_scales(w: _WeightRefs, n0, k0, *, block_n: int):
+    """[block_n, 1]: the scale of each weight row of the tile at (n0, k0), which lies inside one
+    column block (``aligned_blocking``)."""
+    rows = n0 + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
+    if w.block is None:
+        scale_rows, scale_cols = rows * 0, rows * 0
+    else:
+        scale_rows, scale_cols = rows // w.block[0], rows * 0 + k0 // w.block[1]
+    scales = plgpu.load(w.scales.at[scale_rows, scale_cols], mask=scale_rows < w.scales.shape[0], other=1.0)
+    return scales[:, None]
+
+
+def _weight_block(w: _WeightRefs, n0, k0, *, block_n: int, block_k: int, dtype):
+    """``w[n0:n0+block_n, k0:k0+block_k]`` in ``dtype``, zeros past the weight's ends; an fp8 weight's
+    values times their scales in float32, rounded to ``dtype`` (the reference's dequantized weight)."""
+    n_size, k_size = w.values.shape
+    tile = load_tile(w.values.at[pl.ds(n0, block_n), pl.ds(k0, block_k)], n0, k0, n_size=n_size, k_size=k_size,
                      mask_n=n_size % block_n != 0, mask_k=k_size % block_k != 0)
+    if w.scales is None:
+        return tile.astype(dtype)
+    return (tile.astype(jnp.float32) * _row_scales(w, n0, k0, block_n=block_n)).astype(dtype)
 
 
 def _store_block(y, b_ref, out_ref, n0, *, rows: int):
@@ -95,23 +158,23 @@ def _store_block(y, b_ref, out_ref, n0, *, rows: int):
     plgpu.store(out_ref.at[row, col], y, mask=(row < rows) & (col < n_size))
 
 
-def _project_block(x_ref, w_ref, b_ref, out_ref, n0, *, rows: int, rows_pad: int, block_n: int, block_k: int,
+def _project_block(x_ref, w, b_ref, out_ref, n0, *, rows: int, rows_pad: int, block_n: int, block_k: int,
                    precision):
-    k_size = w_ref.shape[1]
+    k_size = w.values.shape[1]
     mask_k = k_size % block_k != 0
     x_rows = lax.broadcasted_iota(jnp.int32, (rows_pad, block_k), 0)
     x_cols = lax.broadcasted_iota(jnp.int32, (rows_pad, block_k), 1)
 
     def body(kb, acc):
         k0 = kb * block_k
-        w = _weight_block(w_ref, n0, k0, block_n=block_n, block_k=block_k).astype(x_ref.dtype)
+        w_tile = _weight_block(w, n0, k0, block_n=block_n, block_k=block_k, dtype=x_ref.dtype)
         x_mask = x_rows < rows
         if mask_k:
             x_mask &= (k0 + x_cols) < k_size
         xs = plgpu.load(x_ref.at[x_rows, k0 + x_cols], mask=x_mask, other=0.0).astype(x_ref.dtype)
         if rows_pad == 1:
-            return acc + w.astype(jnp.float32) * xs.astype(jnp.float32)
-        return acc + plgpu.dot(xs, w, trans_b=True, precision=precision)
+            return acc + w_tile.astype(jnp.float32) * xs.astype(jnp.float32)
+        return acc + plgpu.dot(xs, w_tile, trans_b=True, precision=precision)
 
     acc_shape = (block_n, block_k) if rows_pad == 1 else (rows_pad, block_n)
     acc = lax.fori_loop(0, pl.cdiv(k_size, block_k), body, jnp.zeros(acc_shape, jnp.float32))
@@ -119,7 +182,7 @@ def _project_block(x_ref, w_ref, b_ref, out_ref, n0, *, rows: int, rows_pad: int
     _store_block(y, b_ref, out_ref, n0, rows=rows)
 
 
-def _norm_project_block(x_ref, g_ref, w_ref, b_ref, out_ref, n0, *, block_n: int, block_k: int, k_size: int,
+def _norm_project_block(x_ref, g_ref, w, b_ref, out_ref, n0, *, block_n: int, block_k: int, k_size: int,
                         eps: float, unit_offset: bool):
     """One row: ``rsqrt(mean(x^2) + eps) * (w @ (g * x))`` for this program's weight rows, the sum of
     squares taken from the same loads as the products (see ``norm_project``). ``k_size`` is the real
@@ -136,21 +199,27 @@ def _norm_project_block(x_ref, g_ref, w_ref, b_ref, out_ref, n0, *, block_n: int
         g_view = g_ref.at[k0 + cols[0]]
         g = (g_view[...] if mask is None else plgpu.load(g_view, mask=mask[0], other=0.0)).astype(jnp.float32)
         scaled = x * ((1.0 + g) if unit_offset else g)[None, :]
-        w = _weight_block(w_ref, n0, k0, block_n=block_n, block_k=block_k).astype(jnp.float32)
-        return acc + w * scaled, squares + x * x
+        w_tile = _weight_block(w, n0, k0, block_n=block_n, block_k=block_k, dtype=x_ref.dtype)
+        return acc + w_tile.astype(jnp.float32) * scaled, squares + x * x
 
     zeros = (jnp.zeros((block_n, block_k), jnp.float32), jnp.zeros((1, block_k), jnp.float32))
-    acc, squares = lax.fori_loop(0, pl.cdiv(w_ref.shape[1], block_k), body, zeros)
+    acc, squares = lax.fori_loop(0, pl.cdiv(w.values.shape[1], block_k), body, zeros)
     inv_rms = lax.rsqrt(squares.sum(axis=1, keepdims=True) / k_size + eps)  # [1, 1]
     _store_block(acc.sum(axis=1)[None, :] * inv_rms, b_ref, out_ref, n0, rows=1)
 
 
-def _kernel(*refs, num_inputs: int, has_bias: tuple[bool, ...], block_starts: tuple[int, ...], block, block_n: int):
-    """Inputs ``num_inputs`` row operands (x, or x and the norm weight), the weights, their biases;
-    outputs one array per weight. Each program serves one weight: the one whose column blocks hold it."""
-    inputs, refs = refs[:num_inputs], refs[num_inputs:]
+def _kernel(*refs, num_inputs: int, fp8_blocks: tuple, has_bias: tuple[bool, ...], block_starts: tuple[int, ...],
+            block, block_n: int):
+    """Inputs ``num_inputs`` row operands (x, or x and the norm weight), the weights (a plain one's
+    values; an fp8 one's values and scales: ``fp8_blocks`` says which, False for plain, else its block
+    or None), their biases; outputs one array per weight. Each program serves one weight: the one
+    whose column blocks hold it."""
+    inputs, rest = refs[:num_inputs], refs[num_inputs:]
     n = len(has_bias)
-    w_refs, rest = refs[:n], refs[n:]
+    w_refs = []
+    for kind in fp8_blocks:
+        w_refs.append(_WeightRefs(rest[0]) if kind is False else _WeightRefs(rest[0], rest[1], kind))
+        rest = rest[1 if kind is False else 2:]
     b_refs = []
     for flag in has_bias:
         b_refs.append(rest[0] if flag else None)
@@ -170,9 +239,12 @@ def _launch(row_inputs, weights, biases, out_rows: int, out_dtype, block, *, blo
     block_n = blocking.block_n
     counts = [pl.cdiv(w.shape[0], block_n) for w in weights]
     block_starts = tuple(int(sum(counts[:i])) for i in range(len(counts) + 1))
-    inputs = [*row_inputs, *weights, *(b for b in biases if b is not None)]
-    kernel = functools.partial(_kernel, num_inputs=len(row_inputs), has_bias=tuple(b is not None for b in biases),
-                               block_starts=block_starts, block=block, block_n=block_n)
+    fp8_blocks = tuple(w.block if fp8.is_fp8(w) else False for w in weights)
+    weight_operands = [a for w in weights for a in ((w.values, w.scales) if fp8.is_fp8(w) else (w,))]
+    inputs = [*row_inputs, *weight_operands, *(b for b in biases if b is not None)]
+    kernel = functools.partial(_kernel, num_inputs=len(row_inputs), fp8_blocks=fp8_blocks,
+                               has_bias=tuple(b is not None for b in biases), block_starts=block_starts, block=block,
+                               block_n=block_n)
     whole = lambda shape: pl.BlockSpec(shape, lambda p: (0,) * len(shape))  # noqa: E731  (indexed in the kernel)
     out_shape = [jax.ShapeDtypeStruct((out_rows, w.shape[0]), out_dtype) for w in weights]
     return pl.pallas_call(
@@ -198,8 +270,18 @@ def _operands(rows, weights, biases, block_n: int, block_k: int, interpret: bool
     def pad_to(a, multiples):
         return jnp.pad(a, [(0, _round_up(n, m) - n) if m else (0, 0) for n, m in zip(a.shape, multiples)])
 
+    def padded_weight(w):
+        if not fp8.is_fp8(w):
+            return pad_to(w, (block_n, block_k))
+        values = pad_to(w.values, (block_n, block_k))
+        if w.block is None:
+            return type(w)(values, w.scales, None)
+        covered = [-(-n // b) for n, b in zip(values.shape, w.block)]  # the scales the padded values index
+        scales = jnp.pad(w.scales, [(0, c - s) for c, s in zip(covered, w.scales.shape)], constant_values=1.0)
+        return type(w)(values, scales, w.block)
+
     return ([pad_to(r, (None,) * (r.ndim - 1) + (block_k,)) for r in rows],
-            [pad_to(w, (block_n, block_k)) for w in weights],
+            [padded_weight(w) for w in weights],
             [None if b is None else pad_to(b, (block_n,)) for b in biases])
 
 
@@ -223,11 +305,13 @@ def _unpadded(outputs, x, weights):
 @functools.partial(jax.jit, static_argnames=("blocking", "interpret"))
 def project(x, weights, biases=None, *, blocking: Blocking | None = None, interpret: bool = False):
     """``reference.project`` for x with at most ``MAX_ROWS`` rows (leading axes flattened), every
-    weight in one launch. ``blocking`` overrides ``default_blocking``."""
+    weight in one launch. ``blocking`` overrides ``default_blocking`` (narrowed for fp8 blocks:
+    ``aligned_blocking``)."""
     x2, weights, biases = _checked_rows(x, weights, biases, MAX_ROWS,
                                        f"the few-row projection kernel takes 1 to {MAX_ROWS} rows")
     rows, k_size = x2.shape
-    blocking = blocking or default_blocking(rows, k_size)
+    blocking = (_check_aligned(blocking, weights) if blocking
+                else aligned_blocking(default_blocking(rows, k_size), weights))
     block_n, block_k = blocking.block_n, blocking.block_k
     rows_pad = 1 if rows == 1 else max(16, _next_pow2(rows))
     if rows_pad > 1 and block_n < 16:
@@ -261,7 +345,8 @@ def norm_project(x, norm_weight, weights, biases=None, *, eps: float, unit_offse
     k_size = x2.shape[1]
     if norm_weight.shape != (k_size,):
         raise ValueError(f"norm weight {norm_weight.shape} must be [{k_size}] for x {x.shape}")
-    blocking = blocking or default_norm_blocking(k_size)
+    blocking = (_check_aligned(blocking, weights) if blocking
+                else aligned_blocking(default_norm_blocking(k_size), weights))
     block_n, block_k = blocking.block_n, blocking.block_k
     row_in, w_in, b_in = _operands([x2, norm_weight], weights, biases, block_n, block_k, interpret)
     block = functools.partial(_norm_project_block, block_n=block_n, block_k=block_k, k_size=k_size, eps=float(eps),
@@ -271,4 +356,5 @@ def norm_project(x, norm_weight, weights, biases=None, *, eps: float, unit_offse
     return _unpadded(outputs, x, weights)
 
 
-__all__ = ["Blocking", "MAX_ROWS", "default_blocking", "default_norm_blocking", "norm_project", "project"]
+__all__ = ["Blocking", "MAX_ROWS", "MIN_BLOCK_K", "aligned_blocking", "default_blocking", "default_norm_blocking",
+           "norm_project", "project", "takes_weights"]

@@ -4,7 +4,8 @@ Implementations (chosen by ``jaxinfer.kernels.registry``): the plain-jnp referen
 (``reference.py``, the semantic truth), and the Pallas decode kernel (``decode_pallas.py``) where
 its ``supports`` takes the call, in bf16 / f16 on a GPU (in float32 XLA's fusion of the reference
 was faster: docs/performance.md, "MLA decode"; interpreted, at every dtype). The cache write and
-the ragged prefill run the reference everywhere.
+the ragged prefill run the reference everywhere. An fp8 cache (``kv_cache_dtype="fp8"``) comes with
+its ``cache_scale``: the decode kernel reads its e4m3 rows itself, converting them in registers.
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ mla_paged_decode_attention_op = Op("mla.mla_paged_decode_attention", reference.m
 mla_ragged_paged_attention_op = Op("mla.mla_ragged_paged_attention", reference.mla_ragged_paged_attention)
 
 
-def write_latent_cache(cache, latent, k_rope, slot_mapping):
-    """Each token's normed latent and rotated shared key into its cache row -> the cache."""
-    return write_latent_cache_op(cache, latent, k_rope, slot_mapping)
+def write_latent_cache(cache, latent, k_rope, slot_mapping, **scale):
+    """Each token's normed latent and rotated shared key into its cache row -> the cache
+    (``cache_scale=`` for an fp8 cache)."""
+    return write_latent_cache_op(cache, latent, k_rope, slot_mapping, **scale)
 
 
 def mla_paged_decode_attention(q_latent, q_rope, cache, block_tables, seq_lens, *, scale, **options):
@@ -43,10 +45,10 @@ def mla_paged_decode_attention(q_latent, q_rope, cache, block_tables, seq_lens, 
 
 
 def mla_ragged_paged_attention(q_latent, q_rope, cache, positions, token_seq_ids, block_tables, seq_lens, *, scale,
-                               valid=None):
+                               valid=None, **cache_scale):
     """Queries of several sequences (any number of new tokens each) over their latent pages."""
     return mla_ragged_paged_attention_op(q_latent, q_rope, cache, positions, token_seq_ids, block_tables, seq_lens,
-                                         scale=scale, valid=valid)
+                                         scale=scale, valid=valid, **cache_scale)
 
 
 __all__ = ["mla_paged_decode_attention", "mla_ragged_paged_attention", "write_latent_cache"]

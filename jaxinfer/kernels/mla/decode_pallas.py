@@ -34,6 +34,12 @@ per (sequence, head), merges them and writes the output in the query's dtype. A 
 At DeepSeek-V3's shape (H 128, R 512, P 64, bf16) that is 32 heads (64 KiB of accumulator in 4
 warps, 4 head blocks per sequence), 64-key blocks (180 KiB of shared memory) and 32 splits at one
 sequence, 4 at 32, 1 at 128; ``docs/performance.md`` ("MLA decode") has the blockings tried.
+
+**An fp8 cache** (``kv_cache_dtype="fp8"``, with its ``cache_scale``): the rows are gathered as e4m3
+(half the bytes of bf16) and converted to q's dtype in registers (exact: e4m3 values are bf16
+values); the scores are multiplied by the scale, and so is the output (the values are the latent
+rows). The shared-memory budget still counts the tiles at q's width. Not measured on a GPU yet; the
+kernel serves fp8 caches where it serves the same call in q's dtype (``preferred`` unchanged).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxinfer.cache import fp8
 from jaxinfer.kernels import pdl, registry
 
 MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # a finite -inf: no NaN from exp(m - m) on empty rows
@@ -159,9 +166,11 @@ def plan_blocking(num_seqs: int, num_heads: int, tokens_per_seq: int | None, lat
 
 def _unsupported_reason(q_latent, q_rope, cache, options) -> str | None:
     """Why the kernel cannot take this call, or None where it can."""
-    unknown = sorted(set(options) - set(_TUNING))
+    unknown = sorted(set(options) - set(_TUNING) - {"cache_scale"})
     if unknown:
         return f"unknown options {unknown}"
+    if fp8.is_fp8(cache.dtype) != ("cache_scale" in options):
+        return "an fp8 cache comes with its cache_scale, and only an fp8 cache"
     if q_latent.ndim != 3 or q_rope.ndim != 3 or cache.ndim != 3:
         return "q_latent and q_rope must be [S, H, dim] and the cache [pages, page_size, R + P]"
     num_seqs, num_heads, latent_dim = q_latent.shape
@@ -170,25 +179,35 @@ def _unsupported_reason(q_latent, q_rope, cache, options) -> str | None:
         return f"q_rope {q_rope.shape} and q_latent {q_latent.shape} disagree on sequences and heads"
     if latent_dim + rope_dim != cache.shape[-1]:
         return f"R={latent_dim} + P={rope_dim} != the cache row width {cache.shape[-1]}"
-    dtypes = {jnp.dtype(q_latent.dtype), jnp.dtype(q_rope.dtype), jnp.dtype(cache.dtype)}
+    dtypes = {jnp.dtype(q_latent.dtype), jnp.dtype(q_rope.dtype)}
+    if not fp8.is_fp8(cache.dtype):
+        dtypes.add(jnp.dtype(cache.dtype))
     if len(dtypes) != 1 or not dtypes <= set(_DTYPES):
-        return (f"q_latent, q_rope and the cache must share one of {[d.name for d in _DTYPES]}; "
-                f"got {sorted(map(str, dtypes))}")
+        return (f"q_latent, q_rope and the cache (unless fp8) must share one of {[d.name for d in _DTYPES]}; "
+                f"got {sorted(map(str, dtypes | {jnp.dtype(cache.dtype)}))}")
     for name, dim in (("R", latent_dim), ("P", rope_dim)):
         if not (_is_pow2(dim) and dim >= _MIN_TILE):
             return f"{name}={dim} must be a power of two >= {_MIN_TILE} (a Triton tile and a tensor-core K)"
     if cache.size > _MAX_ELEMENT_OFFSET:
         return f"the cache's {cache.size} elements exceed 32-bit element offsets"
+    tuning = {name: value for name, value in options.items() if name in _TUNING}
     try:
-        plan_blocking(num_seqs, num_heads, None, latent_dim, rope_dim, jnp.dtype(cache.dtype).itemsize, **options)
+        plan_blocking(num_seqs, num_heads, None, latent_dim, rope_dim, tile_itemsize(q_latent, cache), **tuning)
     except ValueError as error:
         return str(error)
     return None
 
 
+def tile_itemsize(q_latent, cache) -> int:
+    """The bytes of a cache element as the tiling budgets count it: an fp8 row converted to q's dtype
+    takes q's width."""
+    return max(jnp.dtype(q_latent.dtype).itemsize, jnp.dtype(cache.dtype).itemsize)
+
+
 def supports(q_latent, q_rope, cache, **options) -> bool:
     """Whether the kernel takes the call (shapes and dtypes alone; ``options``: the tuning keywords
-    of ``mla_paged_decode_attention``): one dtype of bf16 / f16 / f32 for q and the cache, R and P
+    of ``mla_paged_decode_attention`` and an fp8 cache's ``cache_scale``): one dtype of bf16 / f16 /
+    f32 for q and the cache (or an fp8 cache with its scale), R and P
     powers of two >= 16, a cache addressable with 32-bit element offsets, tiles within the register
     and shared-memory budgets, given tuning values well formed."""
     return _unsupported_reason(q_latent, q_rope, cache, options) is None
@@ -205,6 +224,8 @@ def attend_rows(carry, q_latent, q_rope, cache_ref, rows, visible, *, scale: flo
     dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
     latent = plgpu.load(cache_ref.at[rows, latent_columns], mask=visible[:, None], other=0.0)
     k_rope = plgpu.load(cache_ref.at[rows, rope_columns], mask=visible[:, None], other=0.0)
+    if fp8.is_fp8(cache_ref.dtype):  # e4m3 -> q's dtype, in registers; the caller scales scores and output
+        latent, k_rope = latent.astype(q_latent.dtype), k_rope.astype(q_latent.dtype)
     s = (dot(q_latent, latent.T) + dot(q_rope, k_rope.T)) * scale  # [heads, keys]
     s = jnp.where(visible[None, :], s, MASK)
     m_next = jnp.maximum(m, s.max(axis=-1))
@@ -216,7 +237,12 @@ def attend_rows(carry, q_latent, q_rope, cache_ref, rows, visible, *, scale: flo
 def _split_kernel(q_latent_ref, q_rope_ref, cache_ref, block_table_ref, seq_len_ref, *out_refs, scale: float,
                   page_size: int, block_keys: int, blocks_per_split: int, tokens_per_seq: int):
     """One (sequence, head block, split): the online softmax over the split's key blocks, written by
-    ``write_split``."""
+    ``write_split``. An fp8 cache's scale is the first of ``out_refs`` (an input after the lengths)."""
+    cache_scale = None
+    if fp8.is_fp8(cache_ref.dtype):
+        scale_ref, *out_refs = out_refs
+        cache_scale = scale_ref[0]
+        scale = scale * cache_scale
     latent_dim = q_latent_ref.shape[-1]
     block_heads = q_latent_ref.shape[0]
     split = pl.program_id(2)
@@ -239,6 +265,8 @@ def _split_kernel(q_latent_ref, q_rope_ref, cache_ref, block_table_ref, seq_len_
     else:
         last = jnp.minimum(first + blocks_per_split, pl.cdiv(length, block_keys))
         o, m, l = lax.fori_loop(first, jnp.maximum(first, last), attend, init)
+    if cache_scale is not None:  # o is a sum of latent rows: their scale once, here
+        o = o * cache_scale
     write_split(out_refs, o, m, l)
 
 
@@ -267,16 +295,18 @@ def _combine_kernel(o_ref, m_ref, l_ref, out_ref, *, num_splits: int):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret") + _TUNING)
-def mla_paged_decode_attention(q_latent, q_rope, cache, block_tables, seq_lens, *, scale, interpret=False,
-                               **tuning):
+def mla_paged_decode_attention(q_latent, q_rope, cache, block_tables, seq_lens, *, scale, cache_scale=None,
+                               interpret=False, **tuning):
     """``reference.mla_paged_decode_attention`` as a split-KV Pallas kernel plus its merge.
 
     q_latent [S, H, R], q_rope [S, H, P]; cache [pages, page_size, R + P]; block_tables [S,
     pages_per_seq]; seq_lens [S] -> [S, H, R] in q_latent's dtype. ``tuning`` (``plan_blocking``'s
     defaults where absent): ``block_heads``, ``block_keys`` (powers of two >= 16), ``num_splits``,
-    ``num_warps``, ``num_stages``. A call ``supports`` refuses raises ValueError.
+    ``num_warps``, ``num_stages``. An fp8 cache comes with its float32 ``cache_scale``. A call
+    ``supports`` refuses raises ValueError.
     """
-    reason = _unsupported_reason(q_latent, q_rope, cache, tuning)
+    scaled = {} if cache_scale is None else {"cache_scale": cache_scale}
+    reason = _unsupported_reason(q_latent, q_rope, cache, {**tuning, **scaled})
     if reason is not None:
         raise ValueError(f"mla_paged_decode_attention kernel: {reason}")
     num_seqs, num_heads, latent_dim = q_latent.shape
@@ -284,7 +314,7 @@ def mla_paged_decode_attention(q_latent, q_rope, cache, block_tables, seq_lens, 
     num_pages, page_size, width = cache.shape
     pages_per_seq = block_tables.shape[1]
     tokens_per_seq = pages_per_seq * page_size
-    plan = plan_blocking(num_seqs, num_heads, tokens_per_seq, latent_dim, rope_dim, jnp.dtype(cache.dtype).itemsize,
+    plan = plan_blocking(num_seqs, num_heads, tokens_per_seq, latent_dim, rope_dim, tile_itemsize(q_latent, cache),
                          **tuning)
     num_blocks = -(-tokens_per_seq // plan.block_keys)
     blocks_per_split = -(-num_blocks // plan.num_splits)
@@ -313,6 +343,9 @@ def mla_paged_decode_attention(q_latent, q_rope, cache, block_tables, seq_lens, 
     ]
     inputs = [q_latent_rows, q_rope_rows, cache.reshape(num_pages * page_size, width), block_tables,
               seq_lens.astype(jnp.int32)[:, None]]
+    if cache_scale is not None:
+        inputs.append(jnp.reshape(cache_scale, (1,)).astype(jnp.float32))
+        in_specs.append(pl.BlockSpec((1,), lambda s, h, k: (0,)))
     out_specs, out_shape = split_outputs(num_seqs, padded_heads, heads, num_splits, latent_dim, q_latent.dtype)
     result = pl.pallas_call(
         pdl.with_trigger(kernel, "decode_attention", interpret=interpret),

@@ -23,6 +23,12 @@ rows by its expert's ``[block_n, block_k]`` tiles of ``down`` (walking ``I``), a
 every row by its routing weight (gathered by the row's (token, slot) index, rounded to ``x``'s dtype;
 0 on padding rows) and writes ``[rows, H_pad]`` in ``x``'s dtype.
 
+**Quantized experts** (``expert_tiles.py``). ``gate``/``up``/``down`` may be ``Fp8Weight`` or
+``Mxfp4Weight`` as loaded: both kernels read their stored bytes and scales and dequantize each weight
+tile in registers (a ``K`` step inside one fp8 scale column, or whole MXFP4 groups, the packed nibbles
+as two half-width operands against the even and odd columns of ``x`` / the hidden), so no
+dequantized copy of the experts is ever written. gate and up are stored alike; down may differ.
+
 **Combine** (jnp): each (token, slot) gathers its padded row; the ``k`` slots are summed in float32.
 Only real rows are ever read, so padding rows and unused blocks (never written) cannot leak in.
 
@@ -72,10 +78,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.kernels import pdl
-from jaxinfer.kernels.moe import grouping_pallas
+from jaxinfer.kernels.moe import expert_tiles, grouping_pallas
 from jaxinfer.kernels.moe.grouping import group_few_by_expert, group_one_token
 from jaxinfer.kernels.moe.reference import gated_activation
-from jaxinfer.kernels.tiles import load_tile
 
 DECODE_ROWS = 128  # T * k at or below this is decode-sized: one row block per touched expert
 
@@ -148,13 +153,6 @@ class KernelTuning(NamedTuple):
     num_stages: int | None = None
 
 
-def _load_tile(ref, e, n0, k0, block_n: int, block_k: int, n_size: int, k_size: int, mask_n: bool,
-               mask_k: bool):
-    """``ref[e, n0:n0+block_n, k0:k0+block_k]``, zero past ``n_size``/``k_size`` where masking is on."""
-    return load_tile(ref.at[e, pl.ds(n0, block_n), pl.ds(k0, block_k)], n0, k0, n_size=n_size, k_size=k_size,
-                     mask_n=mask_n, mask_k=mask_k)
-
-
 def _load_bias(ref, e, n0, block_n: int, n_size: int, mask_n: bool, dtype):
     """Bias slice ``ref[e, n0:n0+block_n]`` rounded to ``dtype`` (as the reference adds it), in float32."""
     view = ref.at[e, pl.ds(n0, block_n)]
@@ -165,9 +163,11 @@ def _load_bias(ref, e, n0, block_n: int, n_size: int, mask_n: bool, dtype):
     return b.astype(dtype).astype(jnp.float32)
 
 
-def _gate_up_kernel(expert_ref, pair_ref, x_ref, gate_ref, up_ref, *rest, top_k: int, hidden: int, inter: int,
-                    block_k: int, mask_n: bool, mask_k: bool, has_bias: bool, activation: str, alpha: float,
-                    limit: float, precision):
+def _gate_up_kernel(expert_ref, pair_ref, x_ref, *rest, top_k: int, hidden: int, inter: int, block_k: int,
+                    mask_n: bool, mask_k: bool, has_bias: bool, activation: str, alpha: float, limit: float, precision,
+                    fmt: expert_tiles.ExpertFormat, num_weight_refs: int):
+    gate_refs, up_refs = rest[:num_weight_refs], rest[num_weight_refs:2 * num_weight_refs]
+    rest = rest[2 * num_weight_refs:]
     if has_bias:
         gate_bias_ref, up_bias_ref, h_ref = rest
     else:
@@ -180,19 +180,31 @@ def _gate_up_kernel(expert_ref, pair_ref, x_ref, gate_ref, up_ref, *rest, top_k:
     @pl.when(e >= 0)
     def _():
         pair = pair_ref[...]  # [block_m]: (token * k + slot) of each row, -1 on padding rows
-        rows = jnp.broadcast_to((jnp.maximum(pair, 0) // top_k)[:, None], (block_m, block_k))
-        row_ok = jnp.broadcast_to((pair >= 0)[:, None], (block_m, block_k))
-        cols = lax.broadcasted_iota(jnp.int32, (block_m, block_k), 1)
+        # Per piece of a K step (``expert_tiles.lhs_pieces``): the token row, whether it is a real row,
+        # and the columns past the step's start, of each gathered element.
+        pieces = []
+        for first, stride, count in expert_tiles.lhs_pieces(fmt, 0, block_k):
+            shape = (block_m, count)
+            pieces.append((jnp.broadcast_to((jnp.maximum(pair, 0) // top_k)[:, None], shape),
+                           jnp.broadcast_to((pair >= 0)[:, None], shape),
+                           first + stride * lax.broadcasted_iota(jnp.int32, shape, 1)))
+
+        def load_x(k0, rows, row_ok, cols):
+            """Gathered token rows of ``x`` at columns ``k0 + cols`` (zeros on padding rows, past ``H``)."""
+            x_mask = row_ok & ((k0 + cols) < hidden) if mask_k else row_ok
+            return plgpu.load(x_ref.at[rows, k0 + cols], mask=x_mask, other=0.0)
+
+        tile = dict(block_n=block_n, block_k=block_k, n_size=inter, k_size=hidden, mask_n=mask_n, mask_k=mask_k,
+                    dtype=dtype)
 
         def body(kb, acc):
             acc_g, acc_u = acc
             k0 = kb * block_k
-            x_mask = row_ok & ((k0 + cols) < hidden) if mask_k else row_ok
-            xs = plgpu.load(x_ref.at[rows, k0 + cols], mask=x_mask, other=0.0)  # gathered token rows
-            g = _load_tile(gate_ref, e, n0, k0, block_n, block_k, inter, hidden, mask_n, mask_k).astype(dtype)
-            u = _load_tile(up_ref, e, n0, k0, block_n, block_k, inter, hidden, mask_n, mask_k).astype(dtype)
-            acc_g += plgpu.dot(xs, g, trans_b=True, precision=precision)
-            acc_u += plgpu.dot(xs, u, trans_b=True, precision=precision)
+            xs = [load_x(k0, *piece) for piece in pieces]
+            for x_piece, g, u in zip(xs, expert_tiles.weight_pieces(gate_refs, fmt, e, n0, k0, **tile),
+                                     expert_tiles.weight_pieces(up_refs, fmt, e, n0, k0, **tile)):
+                acc_g += plgpu.dot(x_piece, g, trans_b=True, precision=precision)
+                acc_u += plgpu.dot(x_piece, u, trans_b=True, precision=precision)
             return acc_g, acc_u
 
         zeros = jnp.zeros((block_m, block_n), jnp.float32)
@@ -206,8 +218,10 @@ def _gate_up_kernel(expert_ref, pair_ref, x_ref, gate_ref, up_ref, *rest, top_k:
         h_ref[...] = h.astype(h_ref.dtype)
 
 
-def _down_kernel(expert_ref, pair_ref, weight_ref, h_ref, down_ref, *rest, hidden: int, inter: int, block_k: int,
-                 mask_n: bool, mask_k: bool, has_bias: bool, precision):
+def _down_kernel(expert_ref, pair_ref, weight_ref, h_ref, *rest, hidden: int, inter: int, block_k: int,
+                 mask_n: bool, mask_k: bool, has_bias: bool, precision, fmt: expert_tiles.ExpertFormat,
+                 num_weight_refs: int):
+    down_refs, rest = rest[:num_weight_refs], rest[num_weight_refs:]
     if has_bias:
         bias_ref, o_ref = rest
     else:
@@ -219,11 +233,23 @@ def _down_kernel(expert_ref, pair_ref, weight_ref, h_ref, down_ref, *rest, hidde
 
     @pl.when(e >= 0)
     def _():
+        def load_h(first, stride: int, count: int):
+            """The hidden's columns ``first + stride * j`` (its padding columns are zeros)."""
+            if stride == 1:
+                return h_ref[:, pl.ds(first, count)]
+            shape = (block_m, count)
+            cols = first + stride * lax.broadcasted_iota(jnp.int32, shape, 1)
+            return plgpu.load(h_ref.at[lax.broadcasted_iota(jnp.int32, shape, 0), cols])
+
+        tile = dict(block_n=block_n, block_k=block_k, n_size=hidden, k_size=inter, mask_n=mask_n, mask_k=mask_k,
+                    dtype=dtype)
+
         def body(kb, acc):
             k0 = kb * block_k
-            hs = h_ref[:, pl.ds(k0, block_k)]  # hidden padding columns are zeros
-            d = _load_tile(down_ref, e, n0, k0, block_n, block_k, hidden, inter, mask_n, mask_k).astype(dtype)
-            return acc + plgpu.dot(hs, d, trans_b=True, precision=precision)
+            hs = [load_h(*piece) for piece in expert_tiles.lhs_pieces(fmt, k0, block_k)]
+            for h_piece, d in zip(hs, expert_tiles.weight_pieces(down_refs, fmt, e, n0, k0, **tile)):
+                acc += plgpu.dot(h_piece, d, trans_b=True, precision=precision)
+            return acc
 
         acc = lax.fori_loop(0, pl.cdiv(inter, block_k), body, jnp.zeros((block_m, block_n), jnp.float32))
         if has_bias:
@@ -234,6 +260,40 @@ def _down_kernel(expert_ref, pair_ref, weight_ref, h_ref, down_ref, *rest, hidde
         w = plgpu.load(weight_ref.at[jnp.maximum(pair, 0)], mask=pair >= 0, other=0.0)
         acc = acc * w.astype(dtype).astype(jnp.float32)[:, None]
         o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def _whole(array) -> pl.BlockSpec:
+    """Every program sees the whole ``array`` (its tiles are addressed inside the kernel)."""
+    return pl.BlockSpec(array.shape, lambda n, b: (0,) * array.ndim)
+
+
+def weights_problem(gate, up, down) -> str | None:
+    """Why the kernels cannot take these expert weights as stored (None: they can): each plain or
+    quantized (``expert_tiles``), gate and up stored alike."""
+    for name, weight in (("gate", gate), ("up", up), ("down", down)):
+        reason = expert_tiles.problem(weight, name)
+        if reason:
+            return reason
+    if expert_tiles.format_of(gate) != expert_tiles.format_of(up):
+        return (f"gate ({expert_tiles.format_of(gate)}) and up ({expert_tiles.format_of(up)}) must be stored "
+                "alike")
+    return None
+
+
+def unsupported(gate, up, down, *, block_k=None, gate_up_tuning: KernelTuning | None = None,
+                down_tuning: KernelTuning | None = None, **options) -> str | None:
+    """Why ``moe_mlp`` cannot take these weights with these tuning options (None: it can): the weights'
+    storage (``weights_problem``) and a ``K`` step given for a quantized weight that its scales'
+    layout cannot take (``expert_tiles.block_k_problem``)."""
+    reason = weights_problem(gate, up, down)
+    if reason:
+        return reason
+    for name, weight, own in (("gate_up", gate, gate_up_tuning), ("down", down, down_tuning)):
+        step = own.block_k if own is not None and own.block_k is not None else block_k
+        reason = step is not None and expert_tiles.block_k_problem(expert_tiles.format_of(weight), step)
+        if reason:
+            return f"{name}: {reason}"
+    return None
 
 
 def _check_block(name: str, value: int):
@@ -252,12 +312,15 @@ def moe_mlp(x, expert_ids, expert_weights, gate, up, down, *, gate_bias=None, up
     """x [T, H]; expert_ids [T, k] int; expert_weights [T, k] -> [T, H] in x's dtype.
 
     Same semantics as ``reference.moe_mlp`` (routing weights rounded to x's dtype): weights in
-    nn.Linear layout, ``gate``/``up`` [E, I, H], ``down`` [E, H, I], optional biases [E, I], [E, I],
-    [E, H]; expert ids outside ``[0, E)`` are dropped (add nothing).
+    nn.Linear layout, ``gate``/``up`` [E, I, H], ``down`` [E, H, I] (arrays, or ``Fp8Weight`` /
+    ``Mxfp4Weight`` read as stored: ``unsupported`` says which it takes), optional biases [E, I],
+    [E, I], [E, H]; expert ids outside ``[0, E)`` are dropped (add nothing).
     Tuning (``None``: ``default_block_sizes``): ``block_m`` rows per row block, ``block_n`` output
     columns and ``block_k`` reduction step per program, Triton ``num_warps``/``num_stages``; a given
     value applies to both kernels; ``gate_up_tuning`` / ``down_tuning`` (``KernelTuning``) set one kernel
-    and win over those. Block sizes are powers of two >= 16; ``H`` and ``I`` are arbitrary.
+    and win over those. Block sizes are powers of two >= 16; ``H`` and ``I`` are arbitrary. A quantized
+    weight's ``block_k`` divides its fp8 scale block's width or is whole MXFP4 groups (the defaults are
+    fitted so).
     ``distinct_experts`` promises that each token's kept ids differ (top-k routing; dropped ids may
     repeat): then no expert has more than ``T`` rows, and decode-sized calls group their rows without a
     sort.
@@ -276,6 +339,10 @@ def moe_mlp(x, expert_ids, expert_weights, gate, up, down, *, gate_bias=None, up
     for name, b, n in (("gate_bias", gate_bias, inter), ("up_bias", up_bias, inter), ("down_bias", down_bias, hidden)):
         if b is not None and b.shape != (num_experts, n):
             raise ValueError(f"{name} {b.shape} must be [{num_experts}, {n}]")
+    reason = weights_problem(gate, up, down)
+    if reason:
+        raise ValueError(reason)
+    gate_up_format, down_format = expert_tiles.format_of(gate), expert_tiles.format_of(down)
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return jnp.zeros((num_tokens, hidden), x.dtype)
@@ -284,12 +351,16 @@ def moe_mlp(x, expert_ids, expert_weights, gate, up, down, *, gate_bias=None, up
     block_m = defaults["block_m"] if block_m is None else block_m
     launch = {}
     shared = KernelTuning(block_n, block_k, num_warps, num_stages)
-    for kernel, own in (("gate_up", gate_up_tuning), ("down", down_tuning)):
+    for kernel, own, fmt in (("gate_up", gate_up_tuning, gate_up_format), ("down", down_tuning, down_format)):
         cfg = dict(defaults[kernel])
+        cfg["block_k"] = expert_tiles.fit_block_k(fmt, cfg["block_k"])
         for tuning in (shared, own or KernelTuning()):
             cfg.update({key: value for key, value in tuning._asdict().items() if value is not None})
         _check_block(f"{kernel} block_n", cfg["block_n"])
         _check_block(f"{kernel} block_k", cfg["block_k"])
+        reason = expert_tiles.block_k_problem(fmt, cfg["block_k"])
+        if reason:
+            raise ValueError(f"{kernel}: {reason}")
         launch[kernel] = cfg
     _check_block("block_m", block_m)
     gu, dn = launch["gate_up"], launch["down"]
@@ -312,13 +383,13 @@ def moe_mlp(x, expert_ids, expert_weights, gate, up, down, *, gate_bias=None, up
 
     # Kernel A: hidden [rows, I_pad] = act(x[rows] @ gate[e].T, x[rows] @ up[e].T).
     has_bias = gate_bias is not None or up_bias is not None
-    inputs = [block_expert, row_pair, x, gate, up]
+    gate_inputs, up_inputs = expert_tiles.kernel_inputs(gate), expert_tiles.kernel_inputs(up)
+    inputs = [block_expert, row_pair, x, *gate_inputs, *up_inputs]
     in_specs = [
         pl.BlockSpec((None, 1), lambda n, b: (b, 0)),
         pl.BlockSpec((None, block_m), lambda n, b: (b, 0)),
         pl.BlockSpec(x.shape, lambda n, b: (0, 0)),
-        pl.BlockSpec(gate.shape, lambda n, b: (0, 0, 0)),
-        pl.BlockSpec(up.shape, lambda n, b: (0, 0, 0)),
+        *map(_whole, gate_inputs + up_inputs),
     ]
     if has_bias:
         zeros = jnp.zeros((num_experts, inter), x.dtype)
@@ -327,7 +398,7 @@ def moe_mlp(x, expert_ids, expert_weights, gate, up, down, *, gate_bias=None, up
     kernel = functools.partial(
         _gate_up_kernel, top_k=top_k, hidden=hidden, inter=inter, block_k=gu["block_k"], mask_n=inter_pad != inter,
         mask_k=hidden % gu["block_k"] != 0, has_bias=has_bias, activation=activation, alpha=float(alpha),
-        limit=float(limit), precision=precision)
+        limit=float(limit), precision=precision, fmt=gate_up_format, num_weight_refs=len(gate_inputs))
     h = pl.pallas_call(
         pdl.with_trigger(kernel, "moe_gate_up", interpret=interpret),
         grid=(inter_pad // gu["block_n"], nb),
@@ -341,20 +412,22 @@ def moe_mlp(x, expert_ids, expert_weights, gate, up, down, *, gate_bias=None, up
 
     # Kernel B: out [rows, H_pad] = weight * (hidden @ down[e].T + down_bias[e]).
     flat_weights = expert_weights.reshape(-1)
-    inputs = [block_expert, row_pair, flat_weights, h, down]
+    down_inputs = expert_tiles.kernel_inputs(down)
+    inputs = [block_expert, row_pair, flat_weights, h, *down_inputs]
     in_specs = [
         pl.BlockSpec((None, 1), lambda n, b: (b, 0)),
         pl.BlockSpec((None, block_m), lambda n, b: (b, 0)),
         pl.BlockSpec(flat_weights.shape, lambda n, b: (0,)),
         pl.BlockSpec((block_m, inter_pad), lambda n, b: (b, 0)),
-        pl.BlockSpec(down.shape, lambda n, b: (0, 0, 0)),
+        *map(_whole, down_inputs),
     ]
     if down_bias is not None:
         inputs.append(down_bias)
         in_specs.append(pl.BlockSpec(down_bias.shape, lambda n, b: (0, 0)))
     kernel = functools.partial(
         _down_kernel, hidden=hidden, inter=inter, block_k=dn["block_k"], mask_n=hidden_pad != hidden,
-        mask_k=inter % dn["block_k"] != 0, has_bias=down_bias is not None, precision=precision)
+        mask_k=inter % dn["block_k"] != 0, has_bias=down_bias is not None, precision=precision, fmt=down_format,
+        num_weight_refs=len(down_inputs))
     out = pl.pallas_call(
         pdl.with_trigger(kernel, "moe_down", interpret=interpret),
         grid=(hidden_pad // dn["block_n"], nb),

@@ -17,7 +17,8 @@ Ties go to the lower expert index (``jax.lax.top_k``'s order).
 Every token's ``k`` (token, expert) assignments are sorted by expert so that each expert's rows are
 contiguous, the expert MLPs run as grouped matmuls (``jax.lax.ragged_dot``), and the weighted rows
 are summed back per token. Weights use nn.Linear's ``[out, in]`` orientation per expert:
-``gate``/``up`` ``[E, I, H]``, ``down`` ``[E, H, I]``; biases ``[E, I]`` / ``[E, H]`` are optional.
+``gate``/``up`` ``[E, I, H]``, ``down`` ``[E, H, I]`` (plain arrays, or quantized weights that stand
+for them); biases ``[E, I]`` / ``[E, H]`` are optional.
 
 An expert id outside ``[0, E)`` (``-1`` by convention) marks a *dropped* assignment: it belongs to no
 group and contributes exactly zero (expert parallelism: an expert another device holds).
@@ -30,6 +31,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from jaxinfer.quantization import as_array
 
 
 def gated_activation(gate, up, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0):
@@ -82,8 +85,10 @@ def moe_mlp(x, expert_ids, expert_weights, gate, up, down, *, gate_bias=None, up
     The routing weights (any float dtype) are rounded to x's dtype before they scale the expert
     outputs, as HF casts them to the hidden states' dtype. Ids outside ``[0, E)`` are dropped (they
     add nothing). ``distinct_experts`` (each token's kept ids differ, as top-k routing gives) is a
-    promise kernels may use; the reference needs nothing from it.
+    promise kernels may use; the reference needs nothing from it. Quantized weights
+    (``jaxinfer.quantization``: ``Fp8Weight``, ``Mxfp4Weight``) are dequantized to x's dtype first.
     """
+    gate, up, down = (as_array(w, x.dtype) for w in (gate, up, down))
     num_tokens, top_k = expert_ids.shape
     num_experts = gate.shape[0]
     flat = expert_ids.reshape(-1)

@@ -13,7 +13,9 @@ over each token's sequence: the truth at small shapes); the query-tiled jnp path
 which never holds a score or mask matrix over the whole step, wherever no kernel takes the call;
 and the Pallas (Triton lowering) kernels where Pallas runs: ``attention_pallas.py`` (each token over
 its selected rows, prefill and decode alike) and ``indexer_pallas.py`` (the indexer's scores over
-the paged keys, then XLA's top-k, in query tiles).
+the paged keys, then XLA's top-k, in query tiles). fp8 caches (``kv_cache_dtype="fp8"``, with their
+``cache_scale``) are refused by the kernels (one dtype for q and the cache) and served by the tiled
+path.
 """
 
 from __future__ import annotations
@@ -51,21 +53,22 @@ sparse_mla_attention_op = Op("sparse_mla.sparse_mla_attention", reference.sparse
 ))
 
 
-def write_index_keys(cache, keys, slot_mapping):
+def write_index_keys(cache, keys, slot_mapping, **cache_scale):
     """The step's indexer keys [T, D] into their rows of the side cache -> the cache."""
-    return write_index_keys_op(cache, keys, slot_mapping)
+    return write_index_keys_op(cache, keys, slot_mapping, **cache_scale)
 
 
-def indexer_select(q, weights, index_cache, positions, token_seq_ids, block_tables, *, scale, top_k: int):
+def indexer_select(q, weights, index_cache, positions, token_seq_ids, block_tables, *, scale, top_k: int,
+                   **cache_scale):
     """Each token's ``top_k`` best cached keys of its sequence (up to its position) as cache slots
     ``[T, top_k]``, best first, -1 for none; see the reference."""
     return indexer_select_op(q, weights, index_cache, positions, token_seq_ids, block_tables, scale=scale,
-                             top_k=top_k)
+                             top_k=top_k, **cache_scale)
 
 
-def sparse_mla_attention(q_latent, q_rope, latent_cache, slots, *, scale):
+def sparse_mla_attention(q_latent, q_rope, latent_cache, slots, *, scale, **cache_scale):
     """Absorbed-form MLA over each token's selected latent rows -> [T, H, R]; see the reference."""
-    return sparse_mla_attention_op(q_latent, q_rope, latent_cache, slots, scale=scale)
+    return sparse_mla_attention_op(q_latent, q_rope, latent_cache, slots, scale=scale, **cache_scale)
 
 
 __all__ = ["indexer_select", "sparse_mla_attention", "write_index_keys"]

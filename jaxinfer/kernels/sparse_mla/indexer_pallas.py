@@ -30,10 +30,12 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def supports(q, weights, index_cache, positions, token_seq_ids, block_tables, *, scale, top_k: int) -> bool:
-    """A power-of-two key width >= 16 and one dtype for q and the cache."""
+def supports(q, weights, index_cache, positions, token_seq_ids, block_tables, *, scale, top_k: int,
+             **options) -> bool:
+    """A power-of-two key width >= 16 and one dtype for q and the cache (so never an fp8 cache, which
+    comes with a ``cache_scale`` option)."""
     width = q.shape[-1]
-    return (width >= _MIN_TILE and width == _pow2(width) and q.dtype == index_cache.dtype
+    return (not options and width >= _MIN_TILE and width == _pow2(width) and q.dtype == index_cache.dtype
             and jnp.dtype(q.dtype) in _DTYPES)
 
 

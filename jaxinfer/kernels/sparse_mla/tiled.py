@@ -39,7 +39,8 @@ def in_tiles(fn, tile: int, per_token, shared):
     return out.reshape(padded, *out.shape[2:])[:num_tokens]
 
 
-def indexer_select(q, weights, index_cache, positions, token_seq_ids, block_tables, *, scale, top_k: int):
+def indexer_select(q, weights, index_cache, positions, token_seq_ids, block_tables, *, scale, top_k: int,
+                   cache_scale=None):
     """``reference.indexer_select`` in query tiles (padding rows of the last tile are padding tokens)."""
     num_tokens, heads, width = q.shape
     keys = block_tables.shape[1] * index_cache.shape[1]
@@ -47,17 +48,18 @@ def indexer_select(q, weights, index_cache, positions, token_seq_ids, block_tabl
 
     def select(q, weights, positions, token_seq_ids, index_cache, block_tables):
         return reference.indexer_select(q, weights, index_cache, positions, token_seq_ids, block_tables, scale=scale,
-                                        top_k=top_k)
+                                        top_k=top_k, cache_scale=cache_scale)
 
     return in_tiles(select, tile, (q, weights, positions, token_seq_ids), (index_cache, block_tables))
 
 
-def sparse_mla_attention(q_latent, q_rope, latent_cache, slots, *, scale):
+def sparse_mla_attention(q_latent, q_rope, latent_cache, slots, *, scale, cache_scale=None):
     """``reference.sparse_mla_attention`` in query tiles."""
     num_tokens, heads, _ = q_latent.shape
     tile = query_tile(num_tokens, 4 * slots.shape[1] * (latent_cache.shape[-1] + heads))
 
     def attend(q_latent, q_rope, slots, latent_cache):
-        return reference.sparse_mla_attention(q_latent, q_rope, latent_cache, slots, scale=scale)
+        return reference.sparse_mla_attention(q_latent, q_rope, latent_cache, slots, scale=scale,
+                                              cache_scale=cache_scale)
 
     return in_tiles(attend, tile, (q_latent, q_rope, slots), (latent_cache,))

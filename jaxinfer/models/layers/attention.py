@@ -10,6 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.cache import fp8
 from jaxinfer.cache.metadata import StepMetadata
 from jaxinfer.cache.specs import PagedKV
 from jaxinfer.errors import ConfigError
@@ -132,13 +133,16 @@ class PagedGQAttention(nn.Module):
         if self.sinks:
             options["sinks"] = local.param(self, "sinks", nn.initializers.normal(0.02), (self.num_heads,), (HEADS,),
                                            self.param_dtype)
+        k_scale, v_scale = fp8.scales_of(cache, "k", "v")
+        scales = {} if k_scale is None else dict(k_scale=k_scale, v_scale=v_scale)  # an fp8 cache's
+        options.update(scales)
         if md.decode:  # one op: on the GPU the attention kernel also normalises, rotates and writes the cache
             out, k_cache, v_cache = attention_ops.rotary_paged_decode_attention(
                 q, k, v, cos, sin, cache["k"], cache["v"], md.slot_mapping, md.block_tables, md.seq_lens, **norms,
                 **options)
         else:
             q, k_cache, v_cache = attention_ops.rotary_cache_write(q, k, v, cos, sin, cache["k"], cache["v"],
-                                                                   md.slot_mapping, **norms)
+                                                                   md.slot_mapping, **norms, **scales)
             out = attention_ops.ragged_paged_attention(q, k_cache, v_cache, md.positions, md.token_seq_ids,
                                                        md.block_tables, md.seq_lens, **options)
             if capture.wanted(self, capture.ATTENTIONS):
@@ -149,4 +153,4 @@ class PagedGQAttention(nn.Module):
         if gate is not None:
             out = out * jax.nn.sigmoid(gate)
         out = Linear(x.shape[-1], self.o_bias, self.param_dtype, (None, HEADS), name="o_proj")(out)
-        return out, {"k": k_cache, "v": v_cache}, residual
+        return out, {**cache, "k": k_cache, "v": v_cache}, residual

@@ -26,9 +26,10 @@ WHOLE = (None, None)
 
 def _linear_params(module: nn.Module, features: int, in_features: int, use_bias: bool, param_dtype, axes):
     """The weight ``[features, in_features]`` (global sizes; ``in_features`` given as this device's
-    share) and bias, as this device holds them."""
+    share) and bias, as this device holds them. A weight kept in fp8 stays an ``Fp8Weight``: the
+    projection ops take it as it is; anything else that reads it calls ``as_array``."""
     in_features = in_features * local.ways(axes[1])
-    weight = as_array(local.param(module, "weight", _INIT, (features, in_features), axes, param_dtype), param_dtype)
+    weight = local.param(module, "weight", _INIT, (features, in_features), axes, param_dtype)
     bias = (local.param(module, "bias", nn.initializers.zeros, (features,), axes[:1], param_dtype)
             if use_bias else None)
     return weight, bias
@@ -61,7 +62,8 @@ class Linear(nn.Module):
 
 class LinearParams(nn.Module):
     """A ``Linear``'s parameters alone (``<name>/weight``, ``<name>/bias``), returned as
-    ``(weight, bias or None)`` for ops that apply several projections at once."""
+    ``(weight, bias or None)`` for ops that apply several projections at once. The weight may be an
+    ``Fp8Weight`` (see ``_linear_params``)."""
 
     features: int
     use_bias: bool = False
@@ -83,8 +85,8 @@ class Embedding(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     def setup(self):
-        self.weight = local.param(self, "weight", _INIT, (self.num_embeddings, self.features), (VOCAB, None),
-                                  self.param_dtype)
+        self.weight = as_array(local.param(self, "weight", _INIT, (self.num_embeddings, self.features), (VOCAB, None),
+                                           self.param_dtype), self.param_dtype)
 
     def __call__(self, token_ids):
         if local.ways(VOCAB) == 1:

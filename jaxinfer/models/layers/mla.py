@@ -35,6 +35,7 @@ import dataclasses
 import flax.linen as nn
 import jax.numpy as jnp
 
+from jaxinfer.cache import fp8
 from jaxinfer.cache.metadata import StepMetadata
 from jaxinfer.cache.specs import PagedLatent, PagedSide
 from jaxinfer.errors import ConfigError
@@ -48,6 +49,7 @@ from jaxinfer.models.layers.attention_probs import latent_attention_probs
 from jaxinfer.models.layers.linear import Linear, LinearParams
 from jaxinfer.models.layers.norm import LayerNorm, PreNorm, RMSNorm
 from jaxinfer.models.layers.rope import RotaryEmbedding
+from jaxinfer.quantization import as_array
 from jaxinfer.sharding import local
 from jaxinfer.sharding.plan import HEADS
 
@@ -171,32 +173,36 @@ class MultiHeadLatentAttention(nn.Module):
         if rotary is not None:
             rotate = apply_rotary_interleaved if s.rope_interleave else apply_rotary
             q_rope, k_rope = rotate(q_rope, *rotary), rotate(k_rope, *rotary)
-        latent_cache = mla_ops.write_latent_cache(cache["latent"], latent, k_rope[:, 0], md.slot_mapping)
-        new_cache = {"latent": latent_cache}
+        latent_scale, index_scale = fp8.scales_of(cache, "latent", "index_keys")  # an fp8 cache's scales
+        latent_scaled = {} if latent_scale is None else {"cache_scale": latent_scale}
+        latent_cache = mla_ops.write_latent_cache(cache["latent"], latent, k_rope[:, 0], md.slot_mapping,
+                                                  **latent_scaled)
+        new_cache = {**cache, "latent": latent_cache}
 
         # kv_b's rows per head: [k_nope (W_UK) | v (W_UV)], each against the latent; this device's heads.
         kv_b, _ = LinearParams(self.num_heads * (s.qk_nope_head_dim + s.v_head_dim), False, self.param_dtype,
                                (HEADS, None), name="kv_b_proj")(s.kv_lora_rank)
-        kv_b = kv_b.reshape(heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
+        kv_b = as_array(kv_b, self.param_dtype).reshape(heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
         w_uk, w_uv = kv_b[:, :s.qk_nope_head_dim], kv_b[:, s.qk_nope_head_dim:]
         q_latent = jnp.einsum("thn,hnr->thr", q_nope, w_uk)  # float32 sums, rounded once to the input dtype
         scale = s.softmax_scale or qk_head ** -0.5
         if s.indexer is not None or s.shares_selection:
             if s.indexer is not None:
                 slots, new_cache["index_keys"] = LightningIndexer(s.indexer, self.param_dtype, name="indexer")(
-                    normed, q_resid, cache["index_keys"], md, rotary)
+                    normed, q_resid, cache["index_keys"], md, rotary, index_scale)
                 across_layers[SELECTION] = slots
             elif SELECTION not in across_layers:
                 raise ConfigError("a layer that shares the sparse-attention selection needs an indexer layer before it")
             # Slots index every layer's cache alike: one page pool, one block table per sequence.
             out = sparse_ops.sparse_mla_attention(q_latent, q_rope, latent_cache, across_layers[SELECTION],
-                                                  scale=scale)
+                                                  scale=scale, **latent_scaled)
         elif md.decode:
             out = mla_ops.mla_paged_decode_attention(q_latent, q_rope, latent_cache, md.block_tables, md.seq_lens,
-                                                     scale=scale)
+                                                     scale=scale, **latent_scaled)
         else:
             out = mla_ops.mla_ragged_paged_attention(q_latent, q_rope, latent_cache, md.positions, md.token_seq_ids,
-                                                     md.block_tables, md.seq_lens, scale=scale, valid=md.valid)
+                                                     md.block_tables, md.seq_lens, scale=scale, valid=md.valid,
+                                                     **latent_scaled)
         if capture.wanted(self, capture.ATTENTIONS):
             selected = across_layers[SELECTION] if s.across_layers else None
             capture.record(self, capture.ATTENTIONS, "probs", latent_attention_probs(
@@ -215,8 +221,9 @@ class LightningIndexer(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x, q_resid, cache, md: StepMetadata, rotary):
-        """``x``: the block's normed input; ``q_resid``: the normed q latent (HF's name)."""
+    def __call__(self, x, q_resid, cache, md: StepMetadata, rotary, cache_scale=None):
+        """``x``: the block's normed input; ``q_resid``: the normed q latent (HF's name);
+        ``cache_scale``: an fp8 key cache's scale."""
         s, t = self.spec, x.shape[0]
         q = Linear(s.num_heads * s.head_dim, False, self.param_dtype, name="wq_b")(q_resid)
         q = q.reshape(t, s.num_heads, s.head_dim)
@@ -226,9 +233,10 @@ class LightningIndexer(nn.Module):
             rotate = _rotate_interleaved_prefix if s.rope_interleave else apply_rotary
             q, k = rotate(q, *rotary), rotate(k[:, None], *rotary)[:, 0]
         weights = Linear(s.num_heads, False, jnp.float32, name="weights_proj")(x.astype(jnp.float32))
-        cache = sparse_ops.write_index_keys(cache, k, md.slot_mapping)
+        scaled = {} if cache_scale is None else {"cache_scale": cache_scale}
+        cache = sparse_ops.write_index_keys(cache, k, md.slot_mapping, **scaled)
         slots = sparse_ops.indexer_select(q, weights * s.num_heads ** -0.5, cache, md.positions, md.token_seq_ids,
-                                          md.block_tables, scale=s.head_dim ** -0.5, top_k=s.top_k)
+                                          md.block_tables, scale=s.head_dim ** -0.5, top_k=s.top_k, **scaled)
         if capture.wanted(self, capture.INDEXER):
             capture.record(self, capture.INDEXER, "selected_slots", slots)
         return slots, cache

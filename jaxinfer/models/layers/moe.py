@@ -5,8 +5,9 @@ Routers (``softmax_topk``, ``sigmoid_bias``, ``topk_softmax``; semantics in
 router's ``e_score_correction_bias`` is a parameter of this block.
 
 Experts are stored stacked in nn.Linear orientation (``gate``/``up`` ``[E, I, H]``, ``down``
-``[E, H, I]``) and run through ``jaxinfer.kernels.moe.moe_mlp``. An optional shared expert (a plain
-gated MLP, optionally scaled by ``sigmoid(shared_expert_gate(x))``) is added to every token.
+``[E, H, I]``; or kept quantized, ``jaxinfer.quantization``) and run through
+``jaxinfer.kernels.moe.moe_mlp``, quantized ones as stored. An optional shared expert (a plain gated
+MLP, optionally scaled by ``sigmoid(shared_expert_gate(x))``) is added to every token.
 
 **Partitioning** (``jaxinfer.sharding.plan``). The router and its correction bias are replicated: the
 activations are the same on every device, so every device routes every token the same way.
@@ -42,7 +43,7 @@ from jaxinfer.kernels import moe as moe_ops
 from jaxinfer.models.layers import capture
 from jaxinfer.models.layers.linear import Linear
 from jaxinfer.models.layers.mlp import GatedMLP
-from jaxinfer.quantization import as_array
+from jaxinfer.quantization import Mxfp4Weight
 from jaxinfer.sharding import local
 from jaxinfer.sharding.plan import BATCH, EXPERT_MLP, EXPERTS, MLP
 
@@ -169,15 +170,28 @@ class Experts(nn.Module):
         e, i = spec.num_experts, spec.intermediate_size
         init = nn.initializers.normal(0.02)
         param = lambda name, init, shape, axes: local.param(self, name, init, shape, axes, self.param_dtype)  # noqa: E731
-        self.gate = param("gate_proj", init, (e, i, hidden), (EXPERTS, EXPERT_MLP, None))
-        self.up = param("up_proj", init, (e, i, hidden), (EXPERTS, EXPERT_MLP, None))
-        self.down = param("down_proj", init, (e, hidden, i), (EXPERTS, None, EXPERT_MLP))
+        self.gate = self._projection("gate_proj", init, (e, i, hidden), (EXPERTS, EXPERT_MLP, None))
+        self.up = self._projection("up_proj", init, (e, i, hidden), (EXPERTS, EXPERT_MLP, None))
+        self.down = self._projection("down_proj", init, (e, hidden, i), (EXPERTS, None, EXPERT_MLP))
         self.biases = {}
         if spec.expert_bias:
             zeros = nn.initializers.zeros
             self.biases = dict(gate_bias=param("gate_proj_bias", zeros, (e, i), (EXPERTS, EXPERT_MLP)),
                                up_bias=param("up_proj_bias", zeros, (e, i), (EXPERTS, EXPERT_MLP)),
                                down_bias=param("down_proj_bias", zeros, (e, hidden), (EXPERTS, None)))
+
+    def _projection(self, name: str, init, shape: tuple[int, ...], axes: tuple):
+        """A stacked projection: a plain or fp8 parameter, or one loaded in MXFP4, taken as it is (its
+        packed parts have no ``[E, out, in]`` part for flax's shape check), checked against this
+        device's shape."""
+        if self.has_variable("params", name):
+            stored = self.get_variable("params", name)
+            if isinstance(stored, Mxfp4Weight):
+                want = tuple(local.local(size, logical) for size, logical in zip(shape, axes))
+                if stored.shape != want:
+                    raise ValueError(f"{name}: MXFP4 weight of shape {stored.shape}, expected {want}")
+                return stored
+        return local.param(self, name, init, shape, axes, self.param_dtype)
 
     def _down_bias_after_sum(self) -> bool:
         """Whether the down bias waits for the sum over the devices: with the width split, every device
@@ -198,8 +212,8 @@ class Experts(nn.Module):
         if self._down_bias_after_sum():
             del biases["down_bias"]
         # Routers pick top-k: a token's k experts are distinct, which the kernel's decode path uses.
-        gate, up, down = (as_array(w, self.param_dtype) for w in (self.gate, self.up, self.down))
-        return moe_ops.moe_mlp(x, self._local_ids(ids), weights, gate, up, down,
+        # Quantized experts (fp8, MXFP4) go to the op as stored: its kernels read them as they are.
+        return moe_ops.moe_mlp(x, self._local_ids(ids), weights, self.gate, self.up, self.down,
                                activation=spec.activation, alpha=spec.alpha, limit=spec.limit,
                                distinct_experts=True, **biases)
 
