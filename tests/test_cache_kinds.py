@@ -31,12 +31,8 @@ class RunningSum(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x, cache, md, rotary, prenorm=None):
-        if prenorm is not None:
-            x, residual = prenorm.project(x, [jnp.eye(x.shape[-1], dtype=x.dtype)])
-            (x,) = x
-        else:
-            residual = None
+    def __call__(self, x, cache, md, rotary):
+        x = x.normed()
         x32 = x.astype(jnp.float32)
         seq = jnp.maximum(md.token_seq_ids, 0)
         valid = md.valid[:, None]
@@ -62,7 +58,7 @@ class RunningSum(nn.Module):
         from_side = jnp.sum(jnp.where(visible[..., None], per_seq.astype(jnp.float32), 0.0), axis=1)
         out = Linear(self.hidden, False, self.param_dtype, name="state_proj")(from_state.astype(x.dtype))
         out = out + Linear(self.hidden, False, self.param_dtype, name="side_proj")(from_side.astype(x.dtype))
-        return jnp.where(valid, out, 0.0), {"sum": state, "seen": seen}, residual
+        return jnp.where(valid, out, 0.0), {"sum": state, "seen": seen}
 
 
 @dataclasses.dataclass(frozen=True)

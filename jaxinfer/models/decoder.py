@@ -2,9 +2,8 @@
 
 A layer is three choices (``LayerSpec``): a **mixer** (GQA attention, MLA, gated DeltaNet, ...; each
 in its own file under ``models/layers/``, declaring the cache it keeps), a **feed-forward** (a gated
-MLP or an MoE block), and a **residual scheme** (``PreNorm``: HF's ``x + f(norm(x))``, whose add +
-norm fuses with the projections after it; ``Sandwich``: the sublayer's output normalised again before
-the add; ``ScaledNormed``: the normed stream as the residual, both branches scaled).
+MLP or an MoE block), and a **residual scheme** (``jaxinfer.models.residual``: how the stream runs
+through the layer, what the mixer and feed-forward read and how their outputs are written back).
 A family describes itself with a ``DecoderSpec`` built from its config; ``DecoderForCausalLM`` does
 the rest. Families subclass it and implement ``spec``, plus ``checkpoint_sources`` where their
 checkpoint layout differs from the parameter tree.
@@ -28,7 +27,8 @@ from jaxinfer.models.layers.activations import get_activation
 from jaxinfer.models.layers.linear import Embedding, Linear
 from jaxinfer.models.layers.mlp import GatedMLP
 from jaxinfer.models.layers.moe import MoESpec, SparseMoE
-from jaxinfer.models.layers.norm import NormWeight, PreNorm, RMSNorm
+from jaxinfer.models.layers.norm import NormWeight, PreNormed, RMSNorm, SublayerInput
+from jaxinfer.models.residual import LayerParts, PreNormResidual
 from jaxinfer.sharding import local
 from jaxinfer.sharding.plan import VOCAB
 
@@ -50,35 +50,10 @@ class NormStyle:
 
 
 @dataclasses.dataclass(frozen=True)
-class PreNormResidual:
-    """HF's pre-norm block: ``h = x + mixer(norm(x))``, ``out = h + ffn(norm(h))``; norms
-    ``input_layernorm`` and ``post_attention_layernorm``."""
-
-
-@dataclasses.dataclass(frozen=True)
-class SandwichResidual:
-    """Gemma's: each sublayer's output is normalised again before the add,
-    ``h = x + post_attention_layernorm(mixer(input_layernorm(x)))``,
-    ``out = h + post_feedforward_layernorm(ffn(pre_feedforward_layernorm(h)))``."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ScaledNormedResidual:
-    """MiniMax-Text-01's: the residual is the *normed* stream and both branches are scaled,
-    ``n = input_layernorm(x)``, ``h = mixer_alpha * n + mixer_beta * mixer(n)``,
-    ``m = post_attention_layernorm(h)``, ``out = ffn_alpha * m + ffn_beta * ffn(m)``."""
-
-    mixer_alpha: float
-    mixer_beta: float
-    ffn_alpha: float
-    ffn_beta: float
-
-
-@dataclasses.dataclass(frozen=True)
 class LayerSpec:
     mixer: Any  # a mixer spec (GQA, MLA, ...): validate, cache_specs, rotary (or None) and module, of the config
     ffn: DenseMLP | MoESpec = DenseMLP()
-    residual: PreNormResidual | SandwichResidual | ScaledNormedResidual = PreNormResidual()
+    residual: Any = PreNormResidual()  # a scheme of jaxinfer.models.residual
     ffn_name: str = "mlp"  # the MLP / MoE block's module name in the checkpoint
 
 
@@ -88,6 +63,17 @@ class DecoderSpec:
     norm: NormStyle = NormStyle()
     embed_scale: bool = False  # embeddings x sqrt(hidden_size), the factor rounded to the weight dtype (Gemma)
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+
+    def __post_init__(self):
+        kinds = {type(layer.residual) for layer in self.layers}
+        if len(kinds) > 1:
+            raise ValueError(f"a decoder's layers hand one stream on: their residual schemes must be of one kind, "
+                             f"got {sorted(k.__name__ for k in kinds)}")
+
+    @property
+    def residual(self):
+        """The scheme that starts and finishes the stream (every layer's is of its kind)."""
+        return self.layers[0].residual
 
 
 def sliding_window(config: ModelConfig) -> int | None:
@@ -115,91 +101,68 @@ def mlp_layer_types(config: ModelConfig) -> tuple[str, ...]:
 
 
 class DecoderLayer(nn.Module):
-    """One layer: its mixer and feed-forward, joined by its residual scheme.
-
-    With ``PreNormResidual`` the layer takes the previous layer's output and the residual stream
-    separately (``residual=None`` for the first layer) and returns them the same way, so each
-    residual add is fused with the RMSNorm after it (``RMSNorm(x, residual)``), and where the norm
-    feeds several projections (q/k/v, a dense MLP's gate/up), in one op with them (``PreNorm``).
-    ``SandwichResidual`` returns the summed stream as ``x`` and ``residual=None``.
-    """
+    """One layer: its mixer and feed-forward, composed by its residual scheme. Takes the stream and
+    the layer's cache, returns them updated."""
 
     config: ModelConfig
     spec: LayerSpec
     norm: NormStyle
     param_dtype: jnp.dtype
 
-    def _rms_norm(self, name: str) -> RMSNorm:
+    def rms_norm(self, name: str) -> RMSNorm:
         return RMSNorm(self.config.rms_norm_eps, unit_offset=self.norm.unit_offset,
                        float32_weight=self.norm.float32_weight, param_dtype=self.param_dtype, name=name)
 
-    def _pre_norm(self, name: str, residual, size: int) -> PreNorm:
-        """An add + norm left for the projections after it to apply, in one op with them."""
+    def pre_normed(self, name: str, x, residual) -> PreNormed:
+        """``x + residual`` and the RMSNorm ``name``, left for the sublayer's first projections."""
         init = "zeros" if self.norm.unit_offset else "ones"
-        weight = NormWeight(size, self.param_dtype, init=init, name=name)()
-        return PreNorm(residual, weight, self.config.rms_norm_eps, unit_offset=self.norm.unit_offset,
-                       float32_weight=self.norm.float32_weight)
+        weight = NormWeight(x.shape[-1], self.param_dtype, init=init, name=name)()
+        return PreNormed(x, residual, weight, self.config.rms_norm_eps, unit_offset=self.norm.unit_offset,
+                         float32_weight=self.norm.float32_weight)
 
-    def _dense_mlp(self, x, prenorm=None):
+    def feed_forward(self, x: SublayerInput):
         c, ffn = self.config, self.spec.ffn
-        mlp = GatedMLP(ffn.intermediate_size or c.intermediate_size, ffn.activation or c.hidden_act, ffn.bias,
-                       self.param_dtype, name=self.spec.ffn_name)
-        return mlp(x, prenorm)
+        if isinstance(ffn, DenseMLP):
+            return GatedMLP(ffn.intermediate_size or c.intermediate_size, ffn.activation or c.hidden_act, ffn.bias,
+                            self.param_dtype, name=self.spec.ffn_name)(x)
+        return SparseMoE(ffn, c.hidden_act, self.param_dtype, name=self.spec.ffn_name)(x.normed())
 
     @nn.compact
-    def __call__(self, x, residual, cache: dict, md, rotary, across_layers: dict | None = None):
-        """-> (x, residual, cache). ``across_layers``: values of this forward that layers hand to later
+    def __call__(self, stream, cache: dict, md, rotary, across_layers: dict | None = None):
+        """-> (stream, cache). ``across_layers``: values of this forward that layers hand to later
         layers (a sparse-attention selection shared across layers); given to mixers that ask for it."""
         mixer = self.spec.mixer.module(self.config, self.param_dtype)
         if getattr(self.spec.mixer, "across_layers", False):
             mixer = functools.partial(mixer, across_layers=across_layers)
-        if isinstance(self.spec.residual, SandwichResidual):
-            return self._sandwich(mixer, x, residual, cache, md, rotary)
-        if isinstance(self.spec.residual, ScaledNormedResidual):
-            return self._scaled_normed(mixer, x, residual, cache, md, rotary)
-        return self._pre_norm_block(mixer, x, residual, cache, md, rotary)
+        parts = _Parts(self, lambda x: mixer(x, cache, md, rotary))
+        stream = self.spec.residual.layer(parts, stream)
+        return stream, parts.cache
 
-    def _pre_norm_block(self, mixer, x, residual, cache, md, rotary):
-        c, spec = self.config, self.spec
-        attn_out, cache, residual = mixer(x, cache, md, rotary, self._pre_norm("input_layernorm", residual,
-                                                                                 x.shape[-1]))
-        if isinstance(spec.ffn, DenseMLP):
-            out, residual = self._dense_mlp(attn_out, self._pre_norm("post_attention_layernorm", residual,
-                                                                     x.shape[-1]))
-            return out, residual, cache
-        h, residual = self._rms_norm("post_attention_layernorm")(attn_out, residual)
-        return SparseMoE(spec.ffn, c.hidden_act, self.param_dtype, name=spec.ffn_name)(h), residual, cache
 
-    def _sandwich(self, mixer, x, residual, cache, md, rotary):
-        if residual is not None:  # the previous layer handed its stream over unsummed
-            x = x + residual
-        attn_out, cache, _ = mixer(self._rms_norm("input_layernorm")(x), cache, md, rotary)
-        h = x + self._rms_norm("post_attention_layernorm")(attn_out)
-        ffn_out = self._ffn(self._rms_norm("pre_feedforward_layernorm")(h))
-        return h + self._rms_norm("post_feedforward_layernorm")(ffn_out), None, cache
+class _Parts(LayerParts):
+    """A ``DecoderLayer``'s parts for its scheme; keeps the cache its mixer returns."""
 
-    def _ffn(self, x):
-        """The feed-forward of normalised rows (no fused norm)."""
-        c, spec = self.config, self.spec
-        if isinstance(spec.ffn, DenseMLP):
-            return self._dense_mlp(x)[0]
-        return SparseMoE(spec.ffn, c.hidden_act, self.param_dtype, name=spec.ffn_name)(x)
+    def __init__(self, layer: DecoderLayer, mixer):
+        self.layer, self.mixer, self.cache = layer, mixer, None
 
-    def _scaled_normed(self, mixer, x, residual, cache, md, rotary):
-        """``ScaledNormedResidual``; returns the layer's output as ``x`` and ``residual=None``."""
-        scale = self.spec.residual
-        if residual is not None:  # the previous layer handed its stream over unsummed
-            x = x + residual
-        normed = self._rms_norm("input_layernorm")(x)
-        mixer_out, cache, _ = mixer(normed, cache, md, rotary)
-        h = self._rms_norm("post_attention_layernorm")(normed * scale.mixer_alpha + mixer_out * scale.mixer_beta)
-        return h * scale.ffn_alpha + self._ffn(h) * scale.ffn_beta, None, cache
+    def rms_norm(self, name: str, x):
+        return self.layer.rms_norm(name)(x)
+
+    def pre_normed(self, name: str, x, residual) -> PreNormed:
+        return self.layer.pre_normed(name, x, residual)
+
+    def mix(self, x: SublayerInput):
+        out, self.cache = self.mixer(x)
+        return out
+
+    def feed_forward(self, x: SublayerInput):
+        return self.layer.feed_forward(x)
 
 
 class DecoderModel(nn.Module):
     """HF's ``model.*``: embeddings, layers, final norm. A research forward can have it record the
-    hidden states (``capture.HIDDEN_STATES``): the layers' input, each layer's output (its two
-    streams summed) and the final norm's output."""
+    hidden states (``capture.HIDDEN_STATES``): the layers' input, each layer's output (the stream as
+    one hidden state: ``hidden`` of the residual scheme) and the final norm's output."""
 
     config: ModelConfig
     spec: DecoderSpec
@@ -222,17 +185,18 @@ class DecoderModel(nn.Module):
         hidden_states = capture.wanted(self, capture.HIDDEN_STATES)
         if hidden_states:
             capture.record(self, capture.HIDDEN_STATES, "embeddings", x)
-        new_caches, residual, across_layers = [], None, {}
+        scheme = self.spec.residual
+        new_caches, stream, across_layers = [], scheme.start(x), {}
         for i, layer in enumerate(self.spec.layers):
             rotary = layer.mixer.rotary(c)
-            x, residual, cache = DecoderLayer(c, layer, self.spec.norm, self.param_dtype, name=f"layers_{i}")(
-                x, residual, caches[i], md, tables.get(rotary), across_layers)
+            stream, cache = DecoderLayer(c, layer, self.spec.norm, self.param_dtype, name=f"layers_{i}")(
+                stream, caches[i], md, tables.get(rotary), across_layers)
             new_caches.append(cache)
             if hidden_states:
-                capture.record(self, capture.HIDDEN_STATES, "layer_outputs", x if residual is None else x + residual)
+                capture.record(self, capture.HIDDEN_STATES, "layer_outputs", scheme.hidden(stream))
         final_norm = RMSNorm(c.rms_norm_eps, unit_offset=self.spec.norm.unit_offset,
                              float32_weight=self.spec.norm.float32_weight, param_dtype=self.param_dtype, name="norm")
-        x = final_norm(x) if residual is None else final_norm(x, residual)[0]
+        x = scheme.finish(stream, final_norm)
         if hidden_states:
             capture.record(self, capture.HIDDEN_STATES, "final", x)
         return x, embed, new_caches

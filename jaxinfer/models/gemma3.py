@@ -10,10 +10,11 @@ Gemma3, so it is not applied here either.
 from __future__ import annotations
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.decoder import (DecoderForCausalLM, DecoderSpec, DenseMLP, LayerSpec, NormStyle, SandwichResidual,
+from jaxinfer.models.decoder import (DecoderForCausalLM, DecoderSpec, DenseMLP, LayerSpec, NormStyle,
                                      attention_layer_types, layer_windows)
 from jaxinfer.models.layers.activations import get_activation
 from jaxinfer.models.layers.attention import GQA
+from jaxinfer.models.residual import SandwichResidual
 
 
 class Gemma3ForCausalLM(DecoderForCausalLM):

@@ -19,7 +19,8 @@ import dataclasses
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import ConfigError
 from jaxinfer.models.base import CausalLM
-from jaxinfer.models.decoder import DecoderForCausalLM, DecoderSpec, LayerSpec, ScaledNormedResidual, sliding_window
+from jaxinfer.models.decoder import DecoderForCausalLM, DecoderSpec, LayerSpec, sliding_window
+from jaxinfer.models.residual import ScaledNormedResidual
 from jaxinfer.models.layers.attention import GQA
 from jaxinfer.models.layers.lightning import DECAY_BUFFERS, LightningAttention
 from jaxinfer.models.layers.moe import MoESpec

@@ -15,11 +15,10 @@ from jaxinfer.cache.metadata import StepMetadata
 from jaxinfer.cache.specs import PagedKV
 from jaxinfer.errors import ConfigError
 from jaxinfer.kernels import attention as attention_ops
-from jaxinfer.kernels import linear as linear_ops
 from jaxinfer.kernels.attention import reference as attention_reference
 from jaxinfer.models.layers import capture
 from jaxinfer.models.layers.linear import Linear, LinearParams
-from jaxinfer.models.layers.norm import NormWeight, PreNorm, RMSNorm
+from jaxinfer.models.layers.norm import NormWeight, RMSNorm, SublayerInput
 from jaxinfer.models.layers.rope import RotaryEmbedding
 from jaxinfer.sharding import local
 from jaxinfer.sharding.plan import HEADS, KV_HEADS
@@ -92,9 +91,9 @@ class PagedGQAttention(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x, cache: dict, md: StepMetadata, rotary: tuple, prenorm: PreNorm | None = None):
-        """``cache``: {"k", "v"}; ``rotary``: (cos, sin) of this mixer's RoPE. -> (output, the updated
-        cache, the residual stream after ``prenorm``'s add; None without one)."""
+    def __call__(self, x: SublayerInput, cache: dict, md: StepMetadata, rotary: tuple):
+        """``x``: the block's input (its pending norm folded into the q/k/v op); ``cache``: {"k", "v"};
+        ``rotary``: (cos, sin) of this mixer's RoPE. -> (output, the updated cache)."""
         cos, sin = rotary
         t = x.shape[0]
         heads, kv_heads = local.local(self.num_heads, HEADS), local.local(self.num_kv_heads, KV_HEADS)
@@ -107,10 +106,7 @@ class PagedGQAttention(nn.Module):
         # One op for the three (one launch at decode, with the block's norm), weights kept apart as the
         # checkpoint has them.
         weights, biases = [w for w, _ in qkv], [b for _, b in qkv]
-        if prenorm is None:
-            (q, k, v), residual = linear_ops.project(x, weights, biases), None
-        else:
-            (q, k, v), residual = prenorm.project(x, weights, biases)
+        q, k, v = x.project(weights, biases)
         gate = None
         if self.output_gate:
             q_and_gate = q.reshape(t, heads, 2, self.head_dim)
@@ -153,4 +149,4 @@ class PagedGQAttention(nn.Module):
         if gate is not None:
             out = out * jax.nn.sigmoid(gate)
         out = Linear(x.shape[-1], self.o_bias, self.param_dtype, (None, HEADS), name="o_proj")(out)
-        return out, {**cache, "k": k_cache, "v": v_cache}, residual
+        return out, {**cache, "k": k_cache, "v": v_cache}

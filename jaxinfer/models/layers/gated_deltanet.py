@@ -40,8 +40,8 @@ from jaxinfer.cache.specs import StateSlots
 from jaxinfer.errors import ConfigError
 from jaxinfer.kernels import gated_delta as gated_delta_ops
 from jaxinfer.models.layers.linear import Linear, LinearParams
-from jaxinfer.models.layers.linear_attention import l2_normalize, project_input, run_recurrence, short_conv
-from jaxinfer.models.layers.norm import GatedRMSNorm, PreNorm
+from jaxinfer.models.layers.linear_attention import l2_normalize, run_recurrence, short_conv
+from jaxinfer.models.layers.norm import GatedRMSNorm, SublayerInput
 from jaxinfer.sharding import local
 from jaxinfer.sharding.plan import HEADS
 
@@ -140,9 +140,9 @@ class GatedDeltaNetMixer(nn.Module):
     eps: float
     param_dtype: jnp.dtype = jnp.float32
 
-    def _projections(self, x, prenorm):
-        """-> (qkv [T, Hk, 2 Dk + g Dv] grouped per key head, z [T, Hv, Dv], b [T, Hv], a [T, Hv],
-        residual), of this device's heads."""
+    def _projections(self, x: SublayerInput):
+        """-> (qkv [T, Hk, 2 Dk + g Dv] grouped per key head, z [T, Hv, Dv], b [T, Hv], a [T, Hv]), of
+        this device's heads."""
         t, hidden = x.shape
         hk, hv, dk, dv = self.num_key_heads, self.num_value_heads, self.key_head_dim, self.value_head_dim
         group = hv // hk
@@ -152,7 +152,7 @@ class GatedDeltaNetMixer(nn.Module):
         column = lambda n, name: LinearParams(n, False, self.param_dtype, (HEADS, None), name=name)(hidden)[0]  # noqa: E731
         if self.layout == "grouped":
             weights = [column(hk * (per_key_head + group * dv), "in_proj_qkvz"), column(hv * 2, "in_proj_ba")]
-            (qkvz, ba), residual = project_input(x, prenorm, weights)
+            qkvz, ba = x.project(weights)
             qkvz = qkvz.reshape(t, local_hk, per_key_head + group * dv)
             qkv, z = qkvz[..., :per_key_head], qkvz[..., per_key_head:]
             ba = ba.reshape(t, local_hk, 2 * group)
@@ -160,18 +160,18 @@ class GatedDeltaNetMixer(nn.Module):
         else:  # in_proj_qkv's rows re-laid out per key head on load
             weights = [column(hk * per_key_head, "in_proj_qkv"), column(hv * dv, "in_proj_z"), column(hv, "in_proj_b"),
                        column(hv, "in_proj_a")]
-            (qkv, z, b, a), residual = project_input(x, prenorm, weights)
+            qkv, z, b, a = x.project(weights)
             qkv = qkv.reshape(t, local_hk, per_key_head)
-        return qkv, z.reshape(t, local_hv, dv), b, a, residual
+        return qkv, z.reshape(t, local_hv, dv), b, a
 
     @nn.compact
-    def __call__(self, x, cache: dict, md: StepMetadata, rotary=None, prenorm: PreNorm | None = None):
-        """``cache``: {"conv_state", "recurrent_state"} -> (output, the updated cache, the residual
-        stream after ``prenorm``'s add)."""
+    def __call__(self, x: SublayerInput, cache: dict, md: StepMetadata, rotary=None):
+        """``x``: the block's input; ``cache``: {"conv_state", "recurrent_state"} -> (output, the
+        updated cache)."""
         t = x.shape[0]
         hk, hv, dk, dv = self.num_key_heads, self.num_value_heads, self.key_head_dim, self.value_head_dim
         group = hv // hk
-        qkv, z, b, a, residual = self._projections(x, prenorm)
+        qkv, z, b, a = self._projections(x)
         local_hk, per_key_head = qkv.shape[1], qkv.shape[2]
         conv_weight = GroupedConvWeight(hk, per_key_head, self.conv_kernel, self.param_dtype, name="conv1d")()
         mixed, conv_state = short_conv(qkv.reshape(t, local_hk * per_key_head), conv_weight, cache["conv_state"], md)
@@ -188,4 +188,4 @@ class GatedDeltaNetMixer(nn.Module):
                                               cache["recurrent_state"], md, q, k, v, g, beta)
         out = GatedRMSNorm(self.eps, "silu", param_dtype=self.param_dtype, name="norm")(out.astype(x.dtype), z)
         out = Linear(x.shape[-1], False, self.param_dtype, (None, HEADS), name="out_proj")(out.reshape(t, -1))
-        return out, {"conv_state": conv_state, "recurrent_state": recurrent_state}, residual
+        return out, {"conv_state": conv_state, "recurrent_state": recurrent_state}

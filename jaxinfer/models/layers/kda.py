@@ -34,8 +34,8 @@ from jaxinfer.cache.specs import StateSlots
 from jaxinfer.errors import ConfigError
 from jaxinfer.kernels import kda as kda_ops
 from jaxinfer.models.layers.linear import Linear, LinearParams
-from jaxinfer.models.layers.linear_attention import ConvWeight, l2_normalize, project_input, run_recurrence, short_conv
-from jaxinfer.models.layers.norm import GatedRMSNorm, PreNorm
+from jaxinfer.models.layers.linear_attention import ConvWeight, l2_normalize, run_recurrence, short_conv
+from jaxinfer.models.layers.norm import GatedRMSNorm, SublayerInput
 from jaxinfer.sharding import local
 from jaxinfer.sharding.plan import HEADS
 
@@ -93,9 +93,9 @@ class KimiDeltaAttention(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x, cache: dict, md: StepMetadata, rotary=None, prenorm: PreNorm | None = None):
-        """``cache``: {"conv_state", "recurrent_state"} -> (output, the updated cache, the residual
-        stream after ``prenorm``'s add)."""
+    def __call__(self, x: SublayerInput, cache: dict, md: StepMetadata, rotary=None):
+        """``x``: the block's input; ``cache``: {"conv_state", "recurrent_state"} -> (output, the
+        updated cache)."""
         t, hidden = x.shape
         h, d = self.num_heads, self.head_dim
         local_h = local.local(h, HEADS)
@@ -103,7 +103,7 @@ class KimiDeltaAttention(nn.Module):
         # Every projection of the block's input, in one op with the block's norm; the low-rank f_a / g_a whole.
         weights = [param(h * d, "q_proj", HEADS), param(h * d, "k_proj", HEADS), param(h * d, "v_proj", HEADS),
                    param(d, "f_a_proj", None), param(h, "b_proj", HEADS), param(d, "g_a_proj", None)]
-        (q, k, v, f, b, gate), residual = project_input(x, prenorm, weights)
+        q, k, v, f, b, gate = x.project(weights)
 
         conv_weight = jnp.concatenate([ConvWeight(h * d, self.conv_kernel, self.param_dtype, HEADS, name=f"{n}_conv1d")()
                                        for n in "qkv"])
@@ -128,4 +128,4 @@ class KimiDeltaAttention(nn.Module):
         out = GatedRMSNorm(self.eps, "sigmoid", float32_weight=True, param_dtype=self.param_dtype, name="o_norm")(
             out.astype(x.dtype), gate)
         out = Linear(hidden, False, self.param_dtype, (None, HEADS), name="o_proj")(out.reshape(t, local_h * d))
-        return out, {"conv_state": conv_state.reshape(pool.shape), "recurrent_state": recurrent_state}, residual
+        return out, {"conv_state": conv_state.reshape(pool.shape), "recurrent_state": recurrent_state}

@@ -32,8 +32,8 @@ from jaxinfer.errors import ConfigError
 from jaxinfer.kernels import lightning as lightning_ops
 from jaxinfer.models.layers.activations import get_activation
 from jaxinfer.models.layers.linear import Linear, LinearParams
-from jaxinfer.models.layers.linear_attention import project_input, run_recurrence
-from jaxinfer.models.layers.norm import PreNorm, RMSNorm
+from jaxinfer.models.layers.linear_attention import run_recurrence
+from jaxinfer.models.layers.norm import RMSNorm, SublayerInput
 from jaxinfer.sharding import local
 from jaxinfer.sharding.plan import HEADS
 
@@ -83,15 +83,14 @@ class LightningAttentionMixer(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x, cache: dict, md: StepMetadata, rotary=None, prenorm: PreNorm | None = None):
-        """``cache``: {"recurrent_state"} -> (output, the updated cache, the residual stream after
-        ``prenorm``'s add; None without one)."""
+    def __call__(self, x: SublayerInput, cache: dict, md: StepMetadata, rotary=None):
+        """``x``: the block's input; ``cache``: {"recurrent_state"} -> (output, the updated cache)."""
         t, hidden = x.shape
         h, d = self.num_heads, self.head_dim
         local_h = local.local(h, HEADS)
         weights = [LinearParams(n, False, self.param_dtype, (HEADS, None), name=name)(hidden)[0]
                    for n, name in ((3 * h * d, "qkv_proj"), (h * d, "output_gate"))]
-        (qkv, gate), residual = project_input(x, prenorm, weights)
+        qkv, gate = x.project(weights)
         qkv = get_activation(self.activation)(qkv).reshape(t, local_h, 3 * d)
         q, k, v = qkv[..., :d], qkv[..., d:2 * d], qkv[..., 2 * d:]
         # The slopes of this device's heads: they depend on the global head index.
@@ -103,7 +102,7 @@ class LightningAttentionMixer(nn.Module):
             out.astype(x.dtype).reshape(t, local_h * d))
         out = jax.nn.sigmoid(gate) * out
         out = Linear(hidden, False, self.param_dtype, (None, HEADS), name="out_proj")(out)
-        return out, {"recurrent_state": state}, residual
+        return out, {"recurrent_state": state}
 
 
 __all__ = ["DECAY_BUFFERS", "LightningAttention", "LightningAttentionMixer", "slopes"]

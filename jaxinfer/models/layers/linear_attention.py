@@ -20,20 +20,10 @@ import jax.numpy as jnp
 
 from jaxinfer.cache.metadata import StepMetadata
 from jaxinfer.kernels import conv1d as conv_ops
-from jaxinfer.kernels import linear as linear_ops
-from jaxinfer.models.layers.norm import PreNorm
 from jaxinfer.models.layers.state import decode_slots, sequence_states, store_states
 from jaxinfer.sharding import local
 
 L2_NORM_EPS = 1e-6  # HF's l2norm (and flash-linear-attention's): x * rsqrt(sum(x^2) + eps)
-
-
-def project_input(x, prenorm: PreNorm | None, weights):
-    """The block's add + norm (where given) and the projections of the normed rows, as one op
-    -> (projections, the residual stream; None without a pre-norm)."""
-    if prenorm is None:
-        return linear_ops.project(x, weights), None
-    return prenorm.project(x, weights)
 
 
 def l2_normalize(x):
@@ -81,4 +71,4 @@ def run_recurrence(prefill: Callable, decode_update: Callable, pool, md: StepMet
     return out, store_states(pool, md, finals)
 
 
-__all__ = ["ConvWeight", "l2_normalize", "project_input", "run_recurrence", "short_conv"]
+__all__ = ["ConvWeight", "l2_normalize", "run_recurrence", "short_conv"]

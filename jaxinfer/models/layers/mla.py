@@ -41,13 +41,12 @@ from jaxinfer.cache.specs import PagedLatent, PagedSide
 from jaxinfer.errors import ConfigError
 from jaxinfer.kernels import linear as linear_ops
 from jaxinfer.kernels import mla as mla_ops
-from jaxinfer.kernels import norm as norm_ops
 from jaxinfer.kernels import sparse_mla as sparse_ops
 from jaxinfer.kernels.math import apply_rotary, apply_rotary_interleaved
 from jaxinfer.models.layers import capture
 from jaxinfer.models.layers.attention_probs import latent_attention_probs
 from jaxinfer.models.layers.linear import Linear, LinearParams
-from jaxinfer.models.layers.norm import LayerNorm, PreNorm, RMSNorm
+from jaxinfer.models.layers.norm import LayerNorm, RMSNorm, SublayerInput
 from jaxinfer.models.layers.rope import RotaryEmbedding
 from jaxinfer.quantization import as_array
 from jaxinfer.sharding import local
@@ -138,12 +137,12 @@ class MultiHeadLatentAttention(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x, cache: dict, md: StepMetadata, rotary, prenorm: PreNorm | None = None,
-                 across_layers: dict | None = None):
-        """``cache``: {"latent"} (and "index_keys" with an indexer); ``rotary``: (cos, sin) over
+    def __call__(self, x: SublayerInput, cache: dict, md: StepMetadata, rotary, across_layers: dict | None = None):
+        """``x``: the block's input (its pending norm folded into the first projections); ``cache``:
+        {"latent"} (and "index_keys" with an indexer); ``rotary``: (cos, sin) over
         qk_rope_head_dim, or None (NoPE); ``across_layers`` (sparse attention): the forward's values
         handed between layers, where an indexer leaves its selection for a sharing layer after it.
-        -> (output, the updated cache, the residual stream after ``prenorm``'s add; None without one)."""
+        -> (output, the updated cache)."""
         s, t, hidden = self.spec, x.shape[0], x.shape[-1]
         heads = local.local(self.num_heads, HEADS)  # this device's
         qk_head = s.qk_nope_head_dim + s.qk_rope_head_dim
@@ -155,14 +154,10 @@ class MultiHeadLatentAttention(nn.Module):
                             name="kv_a_proj_with_mqa")(hidden)
         weights, biases = [q_first[0], kv_a[0]], [q_first[1], kv_a[1]]
         if s.indexer is not None:  # the indexer projects the normed input too
-            normed, residual = (x, None) if prenorm is None else norm_ops.add_rms_norm(
-                x, prenorm.residual, prenorm.weight, prenorm.eps, unit_offset=prenorm.unit_offset,
-                float32_weight=prenorm.float32_weight)
+            normed = x.normed()
             q, kv = linear_ops.project(normed, weights, biases)
-        elif prenorm is None:
-            (q, kv), residual = linear_ops.project(x, weights, biases), None
         else:
-            (q, kv), residual = prenorm.project(x, weights, biases)
+            q, kv = x.project(weights, biases)
         if s.q_lora_rank:
             q = q_resid = RMSNorm(LATENT_NORM_EPS, param_dtype=self.param_dtype, name="q_a_layernorm")(q)
             q = Linear(q_width, False, self.param_dtype, (HEADS, None), name="q_b_proj")(q)
@@ -211,7 +206,7 @@ class MultiHeadLatentAttention(nn.Module):
         values = jnp.einsum("thr,hvr->thv", out, w_uv)
         out = Linear(hidden, s.attention_bias, self.param_dtype, (None, HEADS), name="o_proj")(
             values.reshape(t, heads * s.v_head_dim))
-        return out, new_cache, residual
+        return out, new_cache
 
 
 class LightningIndexer(nn.Module):

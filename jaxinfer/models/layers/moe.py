@@ -43,6 +43,7 @@ from jaxinfer.kernels import moe as moe_ops
 from jaxinfer.models.layers import capture
 from jaxinfer.models.layers.linear import Linear
 from jaxinfer.models.layers.mlp import GatedMLP
+from jaxinfer.models.layers.norm import Rows
 from jaxinfer.quantization import Mxfp4Weight
 from jaxinfer.sharding import local
 from jaxinfer.sharding.plan import BATCH, EXPERT_MLP, EXPERTS, MLP
@@ -126,8 +127,8 @@ class SparseMoE(nn.Module):
     def _shared_partial(self, x):
         """The shared expert's output before its sum over the devices, scaled by its gate."""
         spec = self.spec
-        shared, _ = GatedMLP(spec.shared_intermediate_size, self.hidden_act, False, self.param_dtype, reduce=False,
-                             name=spec.shared_expert_name)(x)
+        shared = GatedMLP(spec.shared_intermediate_size, self.hidden_act, False, self.param_dtype, reduce=False,
+                          name=spec.shared_expert_name)(Rows(x))
         if spec.shared_expert_gated:
             shared = jax.nn.sigmoid(Linear(1, False, self.param_dtype, name="shared_expert_gate")(x)) * shared
         return shared

@@ -1,7 +1,5 @@
 """RMSNorm, in the two flavours HF uses, optionally with the residual add before it."""
 
-from typing import NamedTuple
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -108,22 +106,65 @@ class NormWeight(nn.Module):
         return self.param("weight", init, (self.size,), self.param_dtype)
 
 
-class PreNorm(NamedTuple):
-    """A pre-norm block's residual add + RMSNorm, left for the block's first projections to apply.
+class SublayerInput:
+    """What a mixer or feed-forward reads: its input rows, normalised as its residual scheme wants.
 
-    ``PreNorm(residual, weight, eps).project(x, weights, biases)`` is ``x + residual``, its RMSNorm and
-    the projections of the normalised row as one op (``jaxinfer.kernels.linear.norm_project``): at a
-    one-token step on the GPU one launch, which never waits for the norm. ``residual=None`` (the first
-    block) normalises ``x`` alone.
+    ``project(weights, biases)`` applies the sublayer's first projections (``nn.Linear`` weights, one
+    op) to the rows; ``normed()`` is the rows themselves; ``shape`` and ``dtype`` are theirs. A
+    sublayer reads its input once, one way or the other, and returns only its output: the residual
+    stream belongs to the scheme (``jaxinfer.models.residual``).
     """
 
-    residual: jax.Array | None
-    weight: jax.Array
-    eps: float
-    unit_offset: bool = False
-    float32_weight: bool = False
+    shape: tuple[int, ...]
+    dtype: jnp.dtype
 
-    def project(self, x, weights, biases=None):
-        """-> (the projections, the residual stream after the add)."""
-        return linear_ops.norm_project(x, self.residual, self.weight, weights, biases, eps=self.eps,
-                                       unit_offset=self.unit_offset, float32_weight=self.float32_weight)
+    def project(self, weights, biases=None) -> tuple:
+        raise NotImplementedError
+
+    def normed(self) -> jax.Array:
+        raise NotImplementedError
+
+
+class Rows(SublayerInput):
+    """Rows already in the form the sublayer reads (normalised by the scheme, or never)."""
+
+    def __init__(self, rows):
+        self.rows, self.shape, self.dtype = rows, rows.shape, rows.dtype
+
+    def project(self, weights, biases=None) -> tuple:
+        return linear_ops.project(self.rows, weights, biases)
+
+    def normed(self) -> jax.Array:
+        return self.rows
+
+
+class PreNormed(SublayerInput):
+    """A pre-norm block's residual add + RMSNorm, left for the block's first projections to apply:
+    ``project`` is ``x + residual``, its RMSNorm and the projections of the normalised rows as one op
+    (``jaxinfer.kernels.linear.norm_project``; at a one-token step on the GPU one launch, which never
+    waits for the norm). ``residual=None`` (the first block) normalises ``x`` alone. Reading it either
+    way forms the stream after the add, ``summed``, which the residual scheme carries on."""
+
+    def __init__(self, x, residual, weight, eps: float, *, unit_offset: bool = False, float32_weight: bool = False):
+        self.x, self.residual, self.weight, self.eps = x, residual, weight, eps
+        self.unit_offset, self.float32_weight = unit_offset, float32_weight
+        self.shape, self.dtype = x.shape, x.dtype
+        self._summed = None
+
+    def project(self, weights, biases=None) -> tuple:
+        outputs, self._summed = linear_ops.norm_project(self.x, self.residual, self.weight, weights, biases,
+                                                        eps=self.eps, unit_offset=self.unit_offset,
+                                                        float32_weight=self.float32_weight)
+        return outputs
+
+    def normed(self) -> jax.Array:
+        normed, self._summed = norm_ops.add_rms_norm(self.x, self.residual, self.weight, self.eps,
+                                                     unit_offset=self.unit_offset, float32_weight=self.float32_weight)
+        return normed
+
+    @property
+    def summed(self) -> jax.Array:
+        """The residual stream after the add: ``x + residual`` (``x`` for the first block)."""
+        if self._summed is None:
+            raise ValueError("the sublayer never read its input (project or normed), so its residual add never ran")
+        return self._summed
