@@ -15,20 +15,13 @@ by ``Dk ** -0.5``; states are float32.
 from __future__ import annotations
 
 from jaxinfer.kernels.gated_delta import chunked, chunked_pallas, recurrent_pallas, reference
-from jaxinfer.kernels.registry import Implementation, Op, where_pallas_runs
+from jaxinfer.kernels.recurrence import recurrence_ops
 
 
-def _any_call(target, *args, **options) -> bool:
-    return True
-
-
-gated_delta_rule_op = Op("gated_delta.gated_delta_rule", reference.gated_delta_rule, (
-    Implementation("triton", chunked_pallas.gated_delta_rule, where_pallas_runs(chunked_pallas.supports)),
-    Implementation("chunked", chunked.gated_delta_rule, _any_call, pallas=False),
-))
-recurrent_update_op = Op("gated_delta.recurrent_update", reference.recurrent_update, (
-    Implementation("triton", recurrent_pallas.recurrent_update, where_pallas_runs(recurrent_pallas.supports)),
-))
+gated_delta_rule_op, recurrent_update_op = recurrence_ops(
+    "gated_delta", "gated_delta_rule", reference, chunked.gated_delta_rule,
+    (chunked_pallas.gated_delta_rule, chunked_pallas.supports), (recurrent_pallas.recurrent_update,
+                                                                  recurrent_pallas.supports))
 
 
 def gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state):

@@ -2,7 +2,7 @@
 
 Same contract as ``reference.gated_delta_rule``; the gate is either ``g [T, H]`` (one decay per
 head: gated DeltaNet) or ``g [T, H, Dk]`` (one per key channel, ``S = exp(g)[:, None] * S``: Kimi's
-KDA), a static switch on g's rank. The step's chunks are ``chunked.chunk_table``'s (64 rows of one
+KDA), a static switch on g's rank. The step's chunks are ``recurrence.chunk_table``'s (64 rows of one
 sequence each); every kernel reads the packed ``[T, H, D]`` rows of its chunk itself (masked past
 the chunk's rows), nothing is gathered around the kernels. All arithmetic is float32.
 
@@ -41,6 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxinfer.kernels import recurrence
 from jaxinfer.kernels.gated_delta import chunked
 
 CHUNK = chunked.CHUNK  # 64 rows
@@ -306,7 +307,7 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state, *, interpret: 
     precision = lax.Precision.HIGHEST if interpret else (F32_DOTS if precision is None else precision)
 
     cu = cu_seqlens.astype(jnp.int32)
-    _, start, rows, _ = chunked.chunk_table(cu, num_tokens, CHUNK)
+    _, start, rows, _ = recurrence.chunk_table(cu, num_tokens, CHUNK)
     num_chunks = start.shape[0]
     meta = jnp.stack([start, rows], axis=1)  # [chunks, 2]
     per_seq = -(-(cu[1:] - cu[:-1]) // CHUNK)

@@ -16,20 +16,12 @@ from __future__ import annotations
 
 from jaxinfer.kernels.gated_delta import chunked_pallas, recurrent_pallas
 from jaxinfer.kernels.kda import chunked, reference
-from jaxinfer.kernels.registry import Implementation, Op, where_pallas_runs
+from jaxinfer.kernels.recurrence import recurrence_ops
 
 
-def _any_call(target, *args, **options) -> bool:
-    return True
-
-
-kda_op = Op("kda.kda", reference.kda, (
-    Implementation("triton", chunked_pallas.gated_delta_rule, where_pallas_runs(chunked_pallas.supports)),
-    Implementation("chunked", chunked.kda, _any_call, pallas=False),
-))
-recurrent_update_op = Op("kda.recurrent_update", reference.recurrent_update, (
-    Implementation("triton", recurrent_pallas.recurrent_update, where_pallas_runs(recurrent_pallas.supports)),
-))
+kda_op, recurrent_update_op = recurrence_ops(
+    "kda", "kda", reference, chunked.kda, (chunked_pallas.gated_delta_rule, chunked_pallas.supports),
+    (recurrent_pallas.recurrent_update, recurrent_pallas.supports))
 
 
 def kda(q, k, v, g, beta, cu_seqlens, initial_state):

@@ -20,18 +20,15 @@ left half's last row, a matmul over Dk; the diagonal blocks of ``SUB_CHUNK`` row
 ``[sub, sub, Dk]`` decays ``exp(G_i - G_j)`` exactly. All other exponents (``G``, ``G_last - G``)
 are <= 0. This needs g <= 0, as KDA's gate is.
 
-Varlen: each sequence's rows (``cu_seqlens``) are cut into chunks of its own, at most ``T / CHUNK +
-S`` for the step; a chunk's rows past its sequence's end are zeros (no decay, no write), so every
-chunk's state is exact. A scan over the chunks carries the state, loading a sequence's
-``initial_state`` at its first chunk and keeping the state after its last as its final state.
+Varlen: the chunks and the scan carrying the state over them are ``jaxinfer.kernels.recurrence``'s
+(a chunk's rows past its sequence's end are zeros: no decay, no write).
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
-from jaxinfer.kernels.gated_delta.chunked import chunk_table
+from jaxinfer.kernels.recurrence import Chunks, scan_chunks
 
 CHUNK = 64  # HF's and flash-linear-attention's chunk size
 SUB_CHUNK = 4  # rows of the diagonal blocks whose decays are formed exactly (1 to 8 ran alike on the CPU)
@@ -113,32 +110,10 @@ def kda(q, k, v, g, beta, cu_seqlens, initial_state, *, chunk: int = CHUNK, sub_
     sub_chunk = min(sub_chunk, chunk)
     if chunk & (chunk - 1) or chunk % sub_chunk:
         raise ValueError(f"kda: chunk {chunk} must be a power of two that sub_chunk {sub_chunk} divides")
-    num_tokens = q.shape[0]
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    seq, start, rows, first = chunk_table(cu_seqlens.astype(jnp.int32), num_tokens, chunk)
-    offsets = jnp.arange(chunk, dtype=jnp.int32)
-    index = start[:, None] + offsets[None, :]  # [N, C]
-    inside = offsets[None, :] < rows[:, None]
-    gather = lambda x: jnp.where(inside.reshape(*inside.shape, *([1] * (x.ndim - 1))),  # noqa: E731
-                                 f32(x)[jnp.clip(index, 0, num_tokens - 1)], 0.0)
-    chunks = tuple(gather(x) for x in (q, k, v, g, beta))
-
-    def step(carry, xs):
-        state, finals = carry
-        s, is_first, has_rows, cq, ck, cv, cg, cb = xs
-        state = jnp.where(is_first, finals[s], state)
-        out, new_state = _chunk(state, cq, ck, cv, cg, cb, sub_chunk)
-        state = jnp.where(has_rows, new_state, state)
-        finals = jnp.where(has_rows, finals.at[s].set(state), finals)
-        return (state, finals), out
-
-    init = (jnp.zeros(initial_state.shape[1:], jnp.float32), f32(initial_state))
-    (_, finals), outs = jax.lax.scan(step, init, (seq, first, rows > 0, *chunks))
-    # Chunk rows back to token rows (each token is one row of one chunk).
-    out = jnp.zeros((num_tokens + 1, *outs.shape[2:]), jnp.float32)
-    target = jnp.where(inside, index, num_tokens)  # rows past a chunk's end: dropped
-    out = out.at[target.reshape(-1)].set(outs.reshape(-1, *outs.shape[2:]), mode="drop")
-    return out[:num_tokens], finals
+    chunks = Chunks.of(cu_seqlens, q.shape[0], chunk)
+    step = lambda state, *inputs: _chunk(state, *inputs, sub_chunk)  # noqa: E731
+    outs, finals = scan_chunks(step, chunks, [chunks.gather(x) for x in (q, k, v, g, beta)], initial_state)
+    return chunks.scatter(outs), finals
 
 
 __all__ = ["CHUNK", "SUB_CHUNK", "kda"]

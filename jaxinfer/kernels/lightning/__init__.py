@@ -15,20 +15,13 @@ everywhere else.
 from __future__ import annotations
 
 from jaxinfer.kernels.lightning import chunked, chunked_pallas, recurrent_pallas, reference
-from jaxinfer.kernels.registry import Implementation, Op, where_pallas_runs
+from jaxinfer.kernels.recurrence import recurrence_ops
 
 
-def _any_call(target, *args, **options) -> bool:
-    return True
-
-
-lightning_attention_op = Op("lightning.lightning_attention", reference.lightning_attention, (
-    Implementation("triton", chunked_pallas.lightning_attention, where_pallas_runs(chunked_pallas.supports)),
-    Implementation("chunked", chunked.lightning_attention, _any_call, pallas=False),
-))
-recurrent_update_op = Op("lightning.recurrent_update", reference.recurrent_update, (
-    Implementation("triton", recurrent_pallas.recurrent_update, where_pallas_runs(recurrent_pallas.supports)),
-))
+lightning_attention_op, recurrent_update_op = recurrence_ops(
+    "lightning", "lightning_attention", reference, chunked.lightning_attention,
+    (chunked_pallas.lightning_attention, chunked_pallas.supports), (recurrent_pallas.recurrent_update,
+                                                                    recurrent_pallas.supports))
 
 
 def lightning_attention(q, k, v, slope, cu_seqlens, initial_state):
