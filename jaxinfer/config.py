@@ -22,6 +22,11 @@ from jaxinfer.errors import ConfigError
 from jaxinfer.quantization import parse as parse_quantization
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+# Model types whose checkpoints need a later transformers than the oldest one jaxinfer supports
+# (pyproject's lower bound, 5.17): there, their config class is missing (``sarvam_mla``) or its
+# validator refuses what the checkpoints hold (``layer_types: indexed_attention``). The version is
+# the one they are tested with.
+TRANSFORMERS_NEEDED = {"deepseek_v32": "5.24", "glm_moe_dsa": "5.24", "sarvam_mla": "5.24"}
 _REQUIRED = object()
 
 
@@ -148,6 +153,7 @@ def _hf_config_class(raw: Any):
     model_type = raw.get("model_type")
     if not isinstance(model_type, str) or not model_type:
         raise ConfigError(f"config.json needs a 'model_type' string naming a transformers model, got {model_type!r}")
+    _check_transformers_version(model_type, transformers_version)
     if model_type in CONFIG_MAPPING:
         return CONFIG_MAPPING[model_type]
     auto_map = raw.get("auto_map")
@@ -158,6 +164,17 @@ def _hf_config_class(raw: Any):
             "checkpoint of a model type transformers knows"
         )
     raise ConfigError(f"model_type {model_type!r} is unknown to transformers {transformers_version}")
+
+
+def _check_transformers_version(model_type: str, installed: str) -> None:
+    """``ConfigError`` when ``model_type`` needs a later transformers than ``installed``
+    (``TRANSFORMERS_NEEDED``), before transformers reads the config."""
+    from packaging.version import Version
+
+    needed = TRANSFORMERS_NEEDED.get(model_type)
+    if needed is not None and Version(installed) < Version(needed):
+        raise ConfigError(f"model_type {model_type!r} needs transformers >= {needed} (installed: {installed}), whose "
+                          f"config class reads its checkpoints: pip install 'transformers>={needed}'")
 
 
 def _rejected(config_class, error: Exception) -> ConfigError:

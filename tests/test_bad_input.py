@@ -117,6 +117,18 @@ def test_bad_config_value_is_named(copy_of, family, changes, match):
         load_model(path)
 
 
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa", "sarvam_mla"])
+def test_a_model_type_needing_a_later_transformers_says_which(model_type, monkeypatch):
+    import transformers
+
+    from jaxinfer.config import hf_config_from_dict
+
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    with pytest.raises(ConfigError, match=rf"model_type '{model_type}' needs transformers >= 5.24 \(installed: "
+                                          r"5.17.0\)"):
+        hf_config_from_dict({"model_type": model_type})
+
+
 def test_rotary_width_is_checked():
     from jaxinfer.config import RopeConfig
 
