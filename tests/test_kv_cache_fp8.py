@@ -8,6 +8,9 @@ llama and DeepSeek-V3 (MLA) models served with an fp8 cache against a float32 on
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,15 +26,23 @@ from jaxinfer.cache.specs import PagedKV, PagedLatent, StateSlots
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.sampling import SamplingParams
 from jaxinfer.errors import CheckpointError, ConfigError
-from jaxinfer.kernels.attention import reference
+from jaxinfer.kernels import attention as attention_ops
+from jaxinfer.kernels import registry
+from jaxinfer.kernels import sparse_mla as sparse_ops
+from jaxinfer.kernels.attention import prefill_pallas, reference
 from jaxinfer.kernels.attention.decode_pallas import paged_decode_attention, rotary_paged_decode_attention
 from jaxinfer.kernels.attention.rotary_pallas import rotary_cache_write
 from jaxinfer.kernels.mla import decode_pallas as mla_decode
 from jaxinfer.kernels.mla import reference as mla_reference
+from jaxinfer.kernels.sparse_mla import attention_pallas as sparse_attention_pallas
+from jaxinfer.kernels.sparse_mla import indexer_pallas
+from jaxinfer.kernels.sparse_mla import reference as sparse_reference
 from jaxinfer.weights import SafetensorsCheckpoint
 from tests.conftest import make_hf_checkpoint, random_prompts
 from tests.families import MLA, MLA_CASES
 from tests.test_kernel_lowering import _lower_for_gpu
+from tests.test_prefill_kernel import make_step
+from tests.test_prefill_kernel import ragged as prefill_ragged
 
 E4M3_STEP = 2.0 ** -3  # e4m3's relative spacing: 3 mantissa bits, so rounding is within half of it
 S = jax.ShapeDtypeStruct
@@ -216,6 +227,196 @@ def test_decode_kernel_and_cache_write_lower_for_the_gpu_at_fp8():
                           S((2, 128, 512), bf16), S((2, 128, 64), bf16), S((512, 16, 576), e4m3), S((2, 256), i32),
                           S((2,), i32), S((), f32))
     assert "mla_paged_decode_attention" in text
+
+
+PREFILL_CASES = {  # (cached, new) per sequence, heads, kv_heads, head_dim, page_size, q dtype, options, blocks
+    # Ragged runs (a fresh prompt, a continued one, one new token) and padding tokens in small blocks;
+    # a group of 3 (padded to 4 in the tile), window, sinks and soft-cap.
+    "group3-f32-window-sinks-softcap": ([(0, 9), (5, 4), (12, 1)], 6, 2, 16, 4, jnp.float32,
+                                        dict(sliding_window=5, sinks=True, logit_softcap=4.0),
+                                        dict(block_q=8, pages_per_block=4)),
+    # Pages larger than the key block (virtual pages), q in bf16: tiles converted to bf16.
+    "mqa-bf16-split-pages": ([(20, 7), (0, 12)], 4, 1, 32, 32, jnp.bfloat16, {}, dict(block_k=16)),
+}
+
+
+@pytest.mark.parametrize("name", list(PREFILL_CASES))
+def test_prefill_kernel_reads_e4m3_pages_with_their_scales(name):
+    seqs, heads, kv_heads, head_dim, page_size, dtype, options, blocks = PREFILL_CASES[name]
+    q, k_cache, v_cache, md, num_real = make_step(seqs, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                                  page_size=page_size, dtype=jnp.float32, num_pad_tokens=2)
+    q = q.astype(dtype)
+    k_scale, v_scale = jnp.float32(0.05), jnp.float32(3.0)
+    k_cache = fp8.quantize(k_cache * 3.0, fp8.FP8, k_scale)  # stored values up to ~240 (e4m3 max 448)
+    v_cache = fp8.quantize(v_cache * 3.0, fp8.FP8, v_scale)
+    options = dict(options)
+    if options.pop("sinks", False):
+        options["sinks"] = jnp.asarray(np.random.RandomState(1).randn(heads), jnp.float32)
+    args = (q, k_cache, v_cache, *prefill_ragged(md))
+    scale = head_dim ** -0.5
+    assert prefill_pallas.supports(*args, scale=scale, k_scale=k_scale, v_scale=v_scale, **options)
+    ref = jax.jit(functools.partial(reference.ragged_paged_attention, scale=scale, **options))  # one trace, two calls
+    want = ref(*args, k_scale=k_scale, v_scale=v_scale)
+    got = prefill_pallas.ragged_paged_attention(*args, scale=scale, k_scale=k_scale, v_scale=v_scale, interpret=True,
+                                                **options, **blocks)
+    assert got.dtype == q.dtype
+    np.testing.assert_array_equal(np.asarray(got[num_real:], np.float32), 0.0)  # padding tokens give zeros
+    tol = 2e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(got[:num_real], np.float32), np.asarray(want[:num_real], np.float32),
+                               atol=tol, rtol=tol)
+    unscaled = ref(*args, k_scale=jnp.float32(1.0), v_scale=jnp.float32(1.0))
+    assert np.abs(np.asarray(unscaled[:num_real], np.float32) - np.asarray(want[:num_real], np.float32)).max() > 0.5
+
+
+def test_prefill_kernel_refuses_fp8_without_both_scales():
+    q, k_cache, v_cache, md, _ = make_step([(0, 5)], heads=2, kv_heads=1, head_dim=16, page_size=4,
+                                           dtype=jnp.float32)
+    e4m3 = fp8.quantize(k_cache, fp8.FP8, jnp.float32(1.0))
+    args = (q, e4m3, e4m3, *prefill_ragged(md))
+    one = jnp.float32(1.0)
+    assert not prefill_pallas.supports(*args, scale=0.25)
+    assert not prefill_pallas.supports(*args, scale=0.25, k_scale=one)
+    assert not prefill_pallas.supports(*args, scale=0.25, k_scale=jnp.ones(2), v_scale=one)
+    assert not prefill_pallas.supports(q, e4m3, v_cache, *args[3:], scale=0.25, k_scale=one, v_scale=one)
+    assert not prefill_pallas.supports(q, k_cache, v_cache, *args[3:], scale=0.25, k_scale=one, v_scale=one)
+    with pytest.raises(ValueError, match="an fp8 cache comes with its k_scale and v_scale"):
+        prefill_pallas.ragged_paged_attention(*args, scale=0.25, k_scale=one, interpret=True)
+
+
+SPARSE_CASES = [  # heads, top_k, tuning: two head blocks (the second padded) in one split, or splits merged
+    (20, 40, dict(block_keys=16, num_splits=1)),
+    (16, 24, dict(block_keys=16, num_splits=2)),
+]
+
+
+@pytest.mark.parametrize("heads, top_k, tuning", SPARSE_CASES)
+def test_sparse_mla_kernel_reads_e4m3_rows_with_their_scale(heads, top_k, tuning):
+    rng = np.random.RandomState(5)
+    tokens, latent_dim, rope_dim, num_pages, page_size = 4, 32, 16, 6, 8
+    cache_scale = jnp.float32(0.1)
+    cache = fp8.quantize(jnp.asarray(rng.randn(num_pages, page_size, latent_dim + rope_dim) * 3, jnp.float32),
+                         fp8.FP8, cache_scale)
+    q_latent = jnp.asarray(rng.randn(tokens, heads, latent_dim), jnp.float32)
+    q_rope = jnp.asarray(rng.randn(tokens, heads, rope_dim), jnp.float32)
+    slots = rng.randint(0, num_pages * page_size, (tokens, top_k)).astype(np.int32)
+    slots[1, 7:] = -1  # a short selection
+    slots[2] = -1  # none: zeros
+    args = (q_latent, q_rope, cache, jnp.asarray(slots))
+    assert sparse_attention_pallas.supports(*args, scale=0.2, cache_scale=cache_scale, **tuning)
+    assert not sparse_attention_pallas.supports(*args, scale=0.2, **tuning)  # never an fp8 cache without its scale
+    ref = jax.jit(functools.partial(sparse_reference.sparse_mla_attention, scale=0.2))
+    want = ref(*args, cache_scale=cache_scale)
+    got = sparse_attention_pallas.sparse_mla_attention(*args, scale=0.2, cache_scale=cache_scale, interpret=True,
+                                                       **tuning)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(np.asarray(got[2]), 0.0)
+    unscaled = ref(*args, cache_scale=jnp.float32(1.0))
+    assert np.abs(np.asarray(unscaled) - np.asarray(want)).max() > 0.1
+
+
+def _scores_by_slot(scores, seq_ids, tables, page_size, num_slots):
+    """[T, num_slots]: each token's score of every cache slot (-inf where it has none)."""
+    out = np.full((scores.shape[0], num_slots), -np.inf, np.float32)
+    for t, seq in enumerate(seq_ids):
+        if seq >= 0:
+            position = np.arange(scores.shape[1])
+            out[t, tables[seq, position // page_size] * page_size + position % page_size] = scores[t]
+    return out
+
+
+def test_indexer_kernel_reads_e4m3_keys_with_their_scale():
+    rng = np.random.RandomState(6)
+    lengths, heads, width, page_size, top_k = (13, 1, 22), 4, 16, 4, 5
+    pages_per_seq = -(-max(lengths) // page_size)
+    num_pages = pages_per_seq * len(lengths) + 2
+    tables = rng.permutation(num_pages)[:pages_per_seq * len(lengths)].reshape(len(lengths), pages_per_seq)
+    positions = np.concatenate([np.arange(n) for n in lengths] + [np.zeros(2, int)]).astype(np.int32)
+    seq_ids = np.concatenate([np.full(n, s) for s, n in enumerate(lengths)] + [np.full(2, -1)]).astype(np.int32)
+    cache_scale = jnp.float32(0.5)
+    cache = fp8.quantize(jnp.asarray(rng.randn(num_pages, page_size, width) * 3, jnp.float32), fp8.FP8, cache_scale)
+    q = jnp.asarray(rng.randn(len(positions), heads, width), jnp.float32)
+    weights = jnp.asarray(rng.randn(len(positions), heads), jnp.float32)
+    args = (q, weights, cache, jnp.asarray(positions), jnp.asarray(seq_ids), jnp.asarray(tables, jnp.int32))
+    ref = jax.jit(functools.partial(sparse_reference.indexer_scores, scale=0.25))
+    want = np.asarray(ref(*args, cache_scale=cache_scale))
+    got = np.asarray(indexer_pallas.indexer_scores(*args, scale=0.25, cache_scale=cache_scale, interpret=True))
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+    np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], rtol=1e-5, atol=1e-5)
+    unscaled = np.asarray(ref(*args, cache_scale=jnp.float32(1.0)))
+    assert np.abs(unscaled[np.isfinite(want)] - want[np.isfinite(want)]).max() > 0.5
+
+    assert indexer_pallas.supports(*args, scale=0.25, top_k=top_k, cache_scale=cache_scale)
+    assert not indexer_pallas.supports(*args, scale=0.25, top_k=top_k)  # never an fp8 cache without its scale
+    with registry.targeting(registry.Target.interpreted()), registry.recording() as chosen:
+        slots = np.asarray(sparse_ops.indexer_select(*args, scale=0.25, top_k=top_k, cache_scale=cache_scale))
+    assert chosen == {"sparse_mla.indexer_select": {"triton"}}
+    # The kernel's selection has the reference's best scores (the slots may differ only among ties).
+    want_slots = np.asarray(jax.jit(functools.partial(sparse_reference.indexer_select, scale=0.25, top_k=top_k))(
+        *args, cache_scale=cache_scale))
+    by_slot = _scores_by_slot(want, seq_ids, tables, page_size, num_pages * page_size)
+    np.testing.assert_array_equal(slots < 0, want_slots < 0)
+    picked = lambda s: np.sort(np.where(s >= 0, np.take_along_axis(by_slot, np.maximum(s, 0), 1), 0), 1)  # noqa: E731
+    np.testing.assert_allclose(picked(slots), picked(want_slots), rtol=1e-5, atol=1e-5)
+
+
+HOPPER = registry.Target(platform="gpu", device_kind="NVIDIA H200", compute_capability="9.0", sm_count=132)
+AMPERE = dataclasses.replace(HOPPER, device_kind="NVIDIA A100", compute_capability="8.0", sm_count=108)
+
+
+@pytest.mark.parametrize("target, prefill, sparse", [
+    (registry.Target.interpreted(), "triton", "triton"),
+    (HOPPER, "triton", "triton"),  # the Mosaic GPU prefill kernel refuses fp8 caches
+    (AMPERE, "reference", "tiled"),  # Triton converts no e4m3 before compute capability 8.9
+])
+def test_kernels_serve_fp8_caches_where_pallas_reads_e4m3(target, prefill, sparse):
+    e4m3, bf16, i32, f32 = fp8.FP8, jnp.bfloat16, jnp.int32, jnp.float32
+    one = S((), f32)
+    ragged = (S((64,), i32), S((64,), i32), S((2, 8), i32), S((2,), i32))
+    cache = S((8, 16, 16, 128), e4m3)
+    chosen = attention_ops.ragged_paged_attention_op.choose(target, S((64, 32, 128), bf16), cache, cache, *ragged,
+                                                            scale=0.1, k_scale=one, v_scale=one)
+    assert chosen.name == prefill
+    if target.gpu:  # the same call over a bf16 cache goes to a kernel on any of these GPUs
+        bf16_cache = S((8, 16, 16, 128), bf16)
+        assert attention_ops.ragged_paged_attention_op.choose(target, S((64, 32, 128), bf16), bf16_cache, bf16_cache,
+                                                              *ragged, scale=0.1).name != "reference"
+    # DeepSeek-V3.2's decode (one token): an fp8 call is chosen as the bf16 one (the kernel's splits fill the GPU).
+    mla = (S((1, 128, 512), bf16), S((1, 128, 64), bf16))
+    for cache_dtype, scaled in ((e4m3, dict(cache_scale=one)), (bf16, {})):
+        chosen = sparse_ops.sparse_mla_attention_op.choose(target, *mla, S((1024, 64, 576), cache_dtype),
+                                                           S((1, 2048), i32), scale=0.1, **scaled)
+        assert chosen.name == (sparse if cache_dtype == e4m3 else "triton")
+    index = (S((1, 64, 128), bf16), S((1, 64), f32), S((8192, 64, 128), e4m3), S((1,), i32), S((1,), i32),
+             S((1, 512), i32))
+    chosen = sparse_ops.indexer_select_op.choose(target, *index, scale=0.1, top_k=2048, cache_scale=one)
+    assert chosen.name == sparse
+
+
+def _kernel_takes_e4m3(text: str, name: str) -> bool:
+    """Whether the custom call of the kernel named ``name...`` in lowered ``text`` has an e4m3 operand
+    (the kernel reads the cache as stored, not a dequantized copy)."""
+    calls = [line for line in text.splitlines() if "custom_call" in line and f'name = "{name}' in line]
+    return bool(calls) and all("f8E4M3FN" in line.rsplit(" : (", 1)[-1].split(") -> ")[0] for line in calls)
+
+
+def test_prefill_and_sparse_kernels_lower_for_the_gpu_at_fp8():
+    e4m3, bf16, i32, f32 = fp8.FP8, jnp.bfloat16, jnp.int32, jnp.float32
+    ragged = (S((512,), i32), S((512,), i32), S((4, 16), i32), S((4,), i32))
+    text = _lower_for_gpu(lambda q, kc, vc, pos, ids, bt, n, ks, vs: prefill_pallas.ragged_paged_attention(
+                              q, kc, vc, pos, ids, bt, n, scale=0.1, sliding_window=128, k_scale=ks, v_scale=vs),
+                          S((512, 32, 128), bf16), S((8, 64, 16, 128), e4m3), S((8, 64, 16, 128), e4m3), *ragged,
+                          S((), f32), S((), f32))
+    assert _kernel_takes_e4m3(text, "ragged_paged_prefill")
+    text = _lower_for_gpu(lambda q, r, c, s, cs: sparse_attention_pallas.sparse_mla_attention(
+                              q, r, c, s, scale=0.1, cache_scale=cs, num_splits=16),
+                          S((1, 128, 512), bf16), S((1, 128, 64), bf16), S((1024, 64, 576), e4m3), S((1, 2048), i32),
+                          S((), f32))
+    assert _kernel_takes_e4m3(text, "sparse_mla_attention") and "sparse_mla_combine" in text
+    text = _lower_for_gpu(lambda q, w, c, pos, ids, bt, cs: indexer_pallas.indexer_scores(
+                              q, w, c, pos, ids, bt, scale=128 ** -0.5, cache_scale=cs),
+                          S((1, 64, 128), bf16), S((1, 64), f32), S((8192, 64, 128), e4m3), S((1,), i32),
+                          S((1,), i32), S((1, 512), i32), S((), f32))
+    assert _kernel_takes_e4m3(text, "indexer_scores")
 
 
 # ---- models served with an fp8 cache -------------------------------------------------------------

@@ -22,6 +22,11 @@ Softmax runs in base 2 (``exp2``, logits pre-multiplied by ``log2(e)``). Sinks s
 softmax (``m = sink``, ``l = 1``), which is the same as one extra column that is dropped. Masked
 logits are ``-inf`` against a finite running max, so they add exactly zero; a row that sees nothing
 (never a real token) gives zeros, like the reference.
+
+**An fp8 cache** (``kv_cache_dtype="fp8"``, with ``k_scale`` / ``v_scale``): the key blocks are
+gathered as e4m3 and converted to q's dtype in registers (exact: e4m3 values are bf16 values), the
+scores are multiplied by ``k_scale`` with the softmax scale, and the output by ``v_scale`` (it is
+linear in the values). Block sizes count the tiles at q's width. Not measured on a GPU yet.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from jaxinfer.cache import fp8
 _LOG2E = math.log2(math.e)
 _M_INIT = -1e30  # finite start of the running max: masked (-inf) logits then give exp2(-inf) = 0
 _META = 8  # int32 fields per query block (see query_blocks)
+_FP8_COMPUTE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
 def _next_pow2(n: int) -> int:
@@ -49,6 +55,10 @@ def _next_pow2(n: int) -> int:
 
 def _is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
+
+
+def _is_scalar(x) -> bool:
+    return math.prod(getattr(x, "shape", ())) == 1
 
 
 def default_block_sizes(num_tokens: int, group: int, head_dim: int, dtype) -> dict:
@@ -136,7 +146,13 @@ def query_blocks(positions, token_seq_ids, seq_lens, valid, *, block_q: int, num
 
 def _prefill_kernel(meta_ref, bt_ref, pos_ref, qidx_ref, q_ref, k_ref, v_ref, *rest, page_size: int,
                     pages_per_block: int, group: int, dump_row: int, scale: float, sliding_window,
-                    logit_softcap, has_sinks: bool, precision):
+                    logit_softcap, has_sinks: bool, precision, fp8_cache: bool = False):
+    """One (KV head, query block). ``fp8_cache``: the caches are e4m3 and the next input holds
+    ``[k_scale, v_scale]``."""
+    score_scale = scale
+    if fp8_cache:
+        kv_scale_ref, *rest = rest
+        score_scale = scale * kv_scale_ref[0]
     if has_sinks:
         sink_ref, _, o_ref = rest
     else:
@@ -173,11 +189,13 @@ def _prefill_kernel(meta_ref, bt_ref, pos_ref, qidx_ref, q_ref, k_ref, v_ref, *r
         cache_rows = (bt_ref[seq, key_pos // page_size] * page_size + key_pos % page_size)[:, None]
         k = k_ref[cache_rows, key_cols]
         v = v_ref[cache_rows, key_cols]
+        if fp8_cache:  # e4m3 -> q's dtype, in registers
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
         s = plgpu.dot(q, k, trans_b=True, precision=precision)  # [rows, block_k] f32
         if logit_softcap:
-            s = (logit_softcap * _LOG2E) * jnp.tanh(s * (scale / logit_softcap))
+            s = (logit_softcap * _LOG2E) * jnp.tanh(s * (score_scale / logit_softcap))
         else:
-            s = s * (scale * _LOG2E)
+            s = s * (score_scale * _LOG2E)
         if masked:
             visible = (key_pos[None, :] <= row_pos[:, None]) & (key_pos[None, :] < kv_end)
             if sliding_window:
@@ -205,25 +223,50 @@ def _prefill_kernel(meta_ref, bt_ref, pos_ref, qidx_ref, q_ref, k_ref, v_ref, *r
     carry = run(k_a, k_b, carry, False)  # seen whole by every row
     carry = run(k_b, num_kb, carry, True)  # the causal diagonal and the sequence end
     o, _, l = carry
+    if fp8_cache:  # o is linear in the values: their scale once, here
+        o = o * kv_scale_ref[1]
     o = o / jnp.where(l == 0.0, 1.0, l)[:, None]
     plgpu.store(o_ref.at[q_rows, q_cols], o.astype(o_ref.dtype), mask=has_query)
 
 
-def supports(q, k_cache, v_cache, *args, **options) -> bool:
-    """Whether the kernel takes these operands: K and V caches alike, q's head dim theirs, query heads
-    a multiple of the KV heads, head dim and page size powers of two; not an fp8 cache (the reference
-    serves ``kv_cache_dtype="fp8"``)."""
+def _unsupported_reason(q, k_cache, v_cache, k_scale, v_scale) -> str | None:
+    """Why the kernel cannot take these operands, or None where it can."""
+    if q.ndim != 3 or k_cache.ndim != 4:
+        return f"q must be [T, heads, d] and the caches [kv_heads, pages, page_size, d], not {q.shape}, {k_cache.shape}"
     num_kv_heads, _, page_size, head_dim = k_cache.shape
-    quantized = fp8.is_fp8(k_cache.dtype) or fp8.is_fp8(v_cache.dtype) or {"k_scale", "v_scale"} & set(options)
-    return (not quantized and k_cache.shape == v_cache.shape and q.shape[-1] == head_dim
-            and q.shape[1] % num_kv_heads == 0 and _is_pow2(head_dim) and _is_pow2(page_size))
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        return f"k_cache {k_cache.dtype}{k_cache.shape} and v_cache {v_cache.dtype}{v_cache.shape} differ"
+    if q.shape[-1] != head_dim:
+        return f"q head_dim {q.shape[-1]} != cache head_dim {head_dim}"
+    if q.shape[1] % num_kv_heads:
+        return f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {num_kv_heads}"
+    if not _is_pow2(head_dim) or not _is_pow2(page_size):
+        return f"head_dim ({head_dim}) and page_size ({page_size}) must be powers of two"
+    if fp8.is_fp8(k_cache.dtype):
+        if k_scale is None or v_scale is None:
+            return "an fp8 cache comes with its k_scale and v_scale"
+        if not (_is_scalar(k_scale) and _is_scalar(v_scale)):
+            return "k_scale and v_scale must be scalars (shape [] or [1])"
+        if jnp.dtype(q.dtype) not in _FP8_COMPUTE_DTYPES:
+            return f"q over an fp8 cache must be one of {[d.name for d in _FP8_COMPUTE_DTYPES]}, not {q.dtype}"
+    elif k_scale is not None or v_scale is not None:
+        return f"k_scale / v_scale are given for a {jnp.dtype(k_cache.dtype).name} cache, which is not fp8"
+    return None
+
+
+def supports(q, k_cache, v_cache, *args, k_scale=None, v_scale=None, **options) -> bool:
+    """Whether the kernel takes these operands: K and V caches alike, q's head dim theirs, query heads
+    a multiple of the KV heads, head dim and page size powers of two; an fp8 cache with its scalar
+    ``k_scale`` and ``v_scale`` and q in bf16 / f16 / f32 (scales only with an fp8 cache)."""
+    return _unsupported_reason(q, k_cache, v_cache, k_scale, v_scale) is None
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "logit_softcap", "interpret", "block_q",
                                              "block_k", "pages_per_block", "num_warps", "num_stages"))
 def ragged_paged_attention(q, k_cache, v_cache, positions, token_seq_ids, block_tables, seq_lens, *, scale,
-                           sliding_window=None, logit_softcap=None, sinks=None, interpret=False, block_q=None,
-                           block_k=None, pages_per_block=None, num_warps=None, num_stages=None):
+                           sliding_window=None, logit_softcap=None, sinks=None, k_scale=None, v_scale=None,
+                           interpret=False, block_q=None, block_k=None, pages_per_block=None, num_warps=None,
+                           num_stages=None):
     """Queries [T, heads, d] from several sequences (any number of new tokens each) over the paged cache.
 
     ``k_cache``/``v_cache``: [kv_heads, num_pages, page_size, d], already holding this step's K/V.
@@ -232,21 +275,20 @@ def ragged_paged_attention(q, k_cache, v_cache, positions, token_seq_ids, block_
     power of two, ``block_q * next_pow2(G) >= 16``), ``block_k`` keys per key block (a power of two
     >= 16; or give ``pages_per_block`` instead, ``block_k = pages_per_block * page_size``), the
     Triton ``num_warps``/``num_stages``. ``head_dim`` and ``page_size`` must be powers of two.
-    Tokens of one sequence must be one contiguous run (the engine's packing).
+    Tokens of one sequence must be one contiguous run (the engine's packing). fp8 caches come with
+    their float32 scalar scales ``k_scale`` / ``v_scale`` (``jaxinfer.cache.fp8``); the kernel then
+    computes in q's dtype. A call ``supports`` refuses raises ValueError.
     """
+    reason = _unsupported_reason(q, k_cache, v_cache, k_scale, v_scale)
+    if reason is not None:
+        raise ValueError(f"ragged_paged_attention kernel: {reason}")
     t, num_heads, head_dim = q.shape
-    num_kv_heads, num_pages, page_size, head_dim_k = k_cache.shape
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} differ")
-    if head_dim_k != head_dim:
-        raise ValueError(f"q head_dim {head_dim} != cache head_dim {head_dim_k}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if not _is_pow2(head_dim) or not _is_pow2(page_size):
-        raise ValueError(f"head_dim ({head_dim}) and page_size ({page_size}) must be powers of two")
+    num_kv_heads, num_pages, page_size, _ = k_cache.shape
+    fp8_cache = fp8.is_fp8(k_cache.dtype)
+    compute_dtype = jnp.dtype(q.dtype) if fp8_cache else jnp.dtype(k_cache.dtype)
     group = num_heads // num_kv_heads
     group_pad = _next_pow2(group)
-    defaults = default_block_sizes(t, group, head_dim, k_cache.dtype)
+    defaults = default_block_sizes(t, group, head_dim, compute_dtype)
     if pages_per_block is not None:
         if block_k is not None:
             raise ValueError("give block_k or pages_per_block, not both")
@@ -297,7 +339,7 @@ def ragged_paged_attention(q, k_cache, v_cache, positions, token_seq_ids, block_
     out_rows = t * num_heads + (1 if interpret else 0)
     dump_row = t * num_heads if interpret else 0
     out_init = jnp.zeros((out_rows, head_dim), q.dtype)
-    q_flat = q.reshape(t * num_heads, head_dim).astype(k_cache.dtype)
+    q_flat = q.reshape(t * num_heads, head_dim).astype(compute_dtype)
     if interpret:
         q_flat = jnp.pad(q_flat, ((0, 1), (0, 0)))
     flat_spec = pl.BlockSpec((out_rows, head_dim), lambda h, b: (0, 0))
@@ -313,6 +355,9 @@ def ragged_paged_attention(q, k_cache, v_cache, positions, token_seq_ids, block_
         pl.BlockSpec((None, num_pages * page_size, head_dim), lambda h, b: (h, 0, 0)),
         pl.BlockSpec((None, num_pages * page_size, head_dim), lambda h, b: (h, 0, 0)),
     ]
+    if fp8_cache:
+        inputs.append(jnp.stack([jnp.reshape(k_scale, ()), jnp.reshape(v_scale, ())]).astype(jnp.float32))
+        in_specs.append(pl.BlockSpec((2,), lambda h, b: (0,)))
     if sinks is not None:
         s = sinks.astype(jnp.float32).reshape(num_kv_heads, group) * _LOG2E
         if group_pad != group:
@@ -322,11 +367,11 @@ def ragged_paged_attention(q, k_cache, v_cache, positions, token_seq_ids, block_
     inputs.append(out_init)
     in_specs.append(flat_spec)
 
-    precision = lax.Precision.HIGHEST if jnp.dtype(k_cache.dtype) == jnp.float32 else None
+    precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
     kernel = functools.partial(
         _prefill_kernel, page_size=page_size, pages_per_block=pages_per_block, group=group, dump_row=dump_row,
         scale=float(scale), sliding_window=sliding_window or None, logit_softcap=logit_softcap or None,
-        has_sinks=sinks is not None, precision=precision)
+        has_sinks=sinks is not None, precision=precision, fp8_cache=fp8_cache)
     out = pl.pallas_call(
         kernel,
         grid=(num_kv_heads, num_blocks),
@@ -341,4 +386,4 @@ def ragged_paged_attention(q, k_cache, v_cache, positions, token_seq_ids, block_
     return out[:t * num_heads].reshape(t, num_heads, head_dim)
 
 
-__all__ = ["default_block_sizes", "query_blocks", "ragged_paged_attention"]
+__all__ = ["default_block_sizes", "query_blocks", "ragged_paged_attention", "supports"]

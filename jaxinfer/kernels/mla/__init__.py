@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jaxinfer.cache import fp8
 from jaxinfer.kernels.mla import decode_pallas, reference
 from jaxinfer.kernels.registry import Implementation, Op, Target
 
 
 def _decode_kernel_supports(target: Target, q_latent, q_rope, cache, block_tables, seq_lens, *, scale,
                             **tuning) -> bool:
-    return target.runs_pallas and decode_pallas.supports(q_latent, q_rope, cache, **tuning)
+    return (target.runs_pallas and decode_pallas.supports(q_latent, q_rope, cache, **tuning)
+            and (target.reads_float8 or not fp8.is_fp8(cache.dtype)))
 
 
 def _decode_kernel_preferred(target: Target, q_latent, *args, **options) -> bool:

@@ -14,18 +14,29 @@ which never holds a score or mask matrix over the whole step, wherever no kernel
 and the Pallas (Triton lowering) kernels where Pallas runs: ``attention_pallas.py`` (each token over
 its selected rows, prefill and decode alike) and ``indexer_pallas.py`` (the indexer's scores over
 the paged keys, then XLA's top-k, in query tiles). fp8 caches (``kv_cache_dtype="fp8"``, with their
-``cache_scale``) are refused by the kernels (one dtype for q and the cache) and served by the tiled
-path.
+``cache_scale``): both kernels read the e4m3 rows themselves where Pallas reads e4m3
+(``Target.reads_float8``), else the tiled path serves them.
 """
 
 from __future__ import annotations
 
-from jaxinfer.kernels.registry import Implementation, Op, where_pallas_runs
+from jaxinfer.cache import fp8
+from jaxinfer.kernels.registry import Implementation, Op
 from jaxinfer.kernels.sparse_mla import attention_pallas, indexer_pallas, reference, tiled
 
 
 def _any_call(target, *args, **options) -> bool:
     return True
+
+
+def _indexer_kernel_supports(target, q, weights, index_cache, *args, **options) -> bool:
+    return (target.runs_pallas and (target.reads_float8 or not fp8.is_fp8(index_cache.dtype))
+            and indexer_pallas.supports(q, weights, index_cache, *args, **options))
+
+
+def _attention_kernel_supports(target, q_latent, q_rope, latent_cache, slots, **options) -> bool:
+    return (target.runs_pallas and (target.reads_float8 or not fp8.is_fp8(latent_cache.dtype))
+            and attention_pallas.supports(q_latent, q_rope, latent_cache, slots, **options))
 
 
 def _attention_kernel_preferred(target, q_latent, q_rope, latent_cache, slots, **options) -> bool:
@@ -43,11 +54,11 @@ def _attention_kernel_preferred(target, q_latent, q_rope, latent_cache, slots, *
 
 write_index_keys_op = Op("sparse_mla.write_index_keys", reference.write_index_keys)
 indexer_select_op = Op("sparse_mla.indexer_select", reference.indexer_select, (
-    Implementation("triton", indexer_pallas.indexer_select, where_pallas_runs(indexer_pallas.supports)),
+    Implementation("triton", indexer_pallas.indexer_select, _indexer_kernel_supports),
     Implementation("tiled", tiled.indexer_select, _any_call, pallas=False),
 ))
 sparse_mla_attention_op = Op("sparse_mla.sparse_mla_attention", reference.sparse_mla_attention, (
-    Implementation("triton", attention_pallas.sparse_mla_attention, where_pallas_runs(attention_pallas.supports),
+    Implementation("triton", attention_pallas.sparse_mla_attention, _attention_kernel_supports,
                    preferred=_attention_kernel_preferred),
     Implementation("tiled", tiled.sparse_mla_attention, _any_call, pallas=False),
 ))
