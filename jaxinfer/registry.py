@@ -27,12 +27,15 @@ _BUILTIN_MODELS: dict[str, str] = {
     "MiniMaxForCausalLM": "jaxinfer.models.minimax:MiniMaxForCausalLM",
     "GptOssForCausalLM": "jaxinfer.models.gpt_oss:GptOssForCausalLM",
     "Gemma3ForCausalLM": "jaxinfer.models.gemma3:Gemma3ForCausalLM",
+    # Its text model (text_config); HF has no text-only class with an LM head.
+    "MuseGlimmerForConditionalGeneration": "jaxinfer.models.muse_glimmer:MuseGlimmerForCausalLM",
     "DeepseekV3ForCausalLM": _DEEPSEEK_V3,
     "SarvamMLAForCausalLM": _DEEPSEEK_V3,  # model_type sarvam_mla: DeepSeek-V3 underneath
     "Kimi_K25ForConditionalGeneration": _DEEPSEEK_V3,  # its text model (text_config) is DeepSeek-V3
     "DeepseekV32ForCausalLM": "jaxinfer.models.deepseek_v32:DeepseekV32ForCausalLM",
     "GlmMoeDsaForCausalLM": "jaxinfer.models.glm_moe_dsa:GlmMoeDsaForCausalLM",
     "KimiLinearForCausalLM": "jaxinfer.models.kimi_linear:KimiLinearForCausalLM",
+    "BailingHybridForCausalLM": "jaxinfer.models.bailing_hybrid:BailingHybridForCausalLM",
     "Qwen3NextForCausalLM": "jaxinfer.models.qwen3_next:Qwen3NextForCausalLM",
     "Qwen3_5ForCausalLM": _QWEN3_5,
     "Qwen3_5ForConditionalGeneration": _QWEN3_5,  # its text model (text_config)

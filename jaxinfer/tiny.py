@@ -78,6 +78,9 @@ TINY_FAMILIES: dict[str, dict] = {
     "gemma3": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", sliding_window=16, head_dim=16,
                    layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16,
                    tie_word_embeddings=True, rope_parameters=None),
+    # The text config alone, as the served text model reads it: sliding, sliding, full NoPE (HF's defaults).
+    "muse_glimmer": dict(architectures=["MuseGlimmerForConditionalGeneration"], model_type="muse_glimmer_text",
+                         num_hidden_layers=3, sliding_window=16),
     # Lightning attention then softmax attention; HF's block-wise prefill in blocks of 16.
     "minimax": dict(architectures=["MiniMaxForCausalLM"], model_type="minimax", num_local_experts=8,
                     num_experts_per_tok=2, layer_types=["linear_attention", "full_attention"], block_size=16),
@@ -88,6 +91,14 @@ TINY_FAMILIES: dict[str, dict] = {
                         first_k_dense_replace=1, routed_scaling_factor=2.446,
                         linear_attn_config=dict(kda_layers=[1, 2, 3], full_attn_layers=[4], num_heads=2, head_dim=16,
                                                 short_conv_kernel_size=4), num_hidden_layers=4),
+    # Bailing-MoE-V3: three KDA layers (4 heads of 16, safe gate) then an MLA layer (layer_group_size 4) with
+    # interleaved RoPE over 16 dims and its output gate; the first layer dense, grouped routing.
+    "bailing_hybrid": dict(architectures=["BailingHybridForCausalLM"], model_type="bailing_hybrid",
+                           num_key_value_heads=4, num_hidden_layers=4, layer_group_size=4, kv_lora_rank=16,
+                           qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, num_experts=8,
+                           num_experts_per_token=2, num_expert_group=2, topk_group=1, moe_intermediate_size=32,
+                           num_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                           short_conv_kernel_size=4, kda_safe_gate=True, kda_lower_bound=-5.0),
 }
 
 

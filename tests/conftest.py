@@ -39,6 +39,8 @@ def make_hf_checkpoint(path, family: str, seed: int = 0, **overrides):
     import torch
     import transformers
 
+    from tests.families import muse_glimmer_config
+
     classes = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
@@ -56,7 +58,9 @@ def make_hf_checkpoint(path, family: str, seed: int = 0, **overrides):
         "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
         "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
         "kimi_linear": (transformers.KimiLinearConfig, transformers.KimiLinearForCausalLM),
+        "bailing_hybrid": (transformers.BailingHybridConfig, transformers.BailingHybridForCausalLM),
         "minimax": (transformers.MiniMaxConfig, transformers.MiniMaxForCausalLM),
+        "muse_glimmer": (muse_glimmer_config, transformers.MuseGlimmerForConditionalGeneration),
     }
     config_cls, model_cls = classes[family]
     config = config_cls(**{**TINY, **overrides})

@@ -87,6 +87,39 @@ KIMI_LINEAR = dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_hea
                                            short_conv_kernel_size=4),
                    pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
+# Bailing-MoE-V3: KDA (4 heads of 16: full-rank forget and output gates, the safe gate at a bound of -3),
+# KDA, then MLA (layer_group_size 3) with interleaved RoPE and its per-head output gate; a dense first
+# layer, then grouped DeepSeek routing (2 groups of 4, 1 kept) with a shared expert.
+BAILING_HYBRID = dict(num_hidden_layers=3, layer_group_size=3, num_key_value_heads=4, head_dim=16, kv_lora_rank=16,
+                      qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, num_local_experts=8,
+                      num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=32, n_shared_experts=1,
+                      first_k_dense_replace=1, kda_lower_bound=-3.0, initializer_range=0.1, pad_token_id=0,
+                      bos_token_id=1, eos_token_id=2)
+
+# Muse Glimmer, saved as the multimodal checkpoint (a one-layer vision tower, skipped): sliding,
+# sliding, full NoPE layers (HF's rule: every 4th counted back from the last), a window of 8 below the
+# prompt, biased q/k/v/o, the sigmoid output gate, post-sublayer norms at an eps large enough to show,
+# a logit multiplier and a soft-cap that bends the logits, placeholder ids in the prompts
+# (``muse_glimmer_config``). Then the two layer lists crossed (a sliding NoPE layer, a full RoPE
+# layer) with a text config asking for tied embeddings, which HF's wrapper does not tie.
+MUSE_GLIMMER = dict(num_hidden_layers=3, head_dim=16, sliding_window=8, attention_bias=True, initializer_range=0.1,
+                    qk_scale_factor=2.5, post_norm_eps=0.05, output_multiplier=3.0, final_logit_softcapping=2.0,
+                    pad_token_id=0, bos_token_id=1, eos_token_id=2)
+MUSE_GLIMMER_CROSSED = dict(MUSE_GLIMMER, num_hidden_layers=2, tie_word_embeddings=True,
+                            layer_types=["sliding_attention", "full_attention"], layer_rope_theta=[0, 10000.0])
+
+
+def muse_glimmer_config(**text):
+    """HF's config of a Muse Glimmer checkpoint: the text config ``text``, a tiny vision tower, and image
+    and video placeholder ids (embedded as token 0 by HF's text path) that the parity prompts hold."""
+    import transformers
+
+    vision = dict(hidden_size=16, num_attention_heads=2, num_hidden_layers=1, intermediate_size=16, patch_size=2,
+                  pos_emb_height=2, pos_emb_width=2)
+    return transformers.MuseGlimmerConfig(text_config=text, vision_config=vision, out_hidden_size=64,
+                                          projector_hidden_size=16, image_token_id=75, video_token_id=66)
+
+
 # Case name -> (family of ``make_hf_checkpoint``, HF config overrides).
 PARITY_CASES: dict[str, tuple[str, dict]] = {
     "llama-gqa": ("llama", {}),
@@ -118,12 +151,16 @@ PARITY_CASES: dict[str, tuple[str, dict]] = {
     "minimax": ("minimax", MINIMAX),
     "minimax-sliding": ("minimax", dict(MINIMAX, sliding_window=8)),
     "kimi_linear": ("kimi_linear", KIMI_LINEAR),
+    "muse_glimmer": ("muse_glimmer", MUSE_GLIMMER),
+    "muse_glimmer-crossed-layers-untied": ("muse_glimmer", MUSE_GLIMMER_CROSSED),
+    "bailing_hybrid": ("bailing_hybrid", BAILING_HYBRID),
 }
 
 # Checked on their logits alone: the length-dependent and other RoPE scalings and Qwen2's sliding
 # layers (their engine path is the other dense cases'), and the state-slot hybrids, whose own files
 # check greedy tokens against HF's under strict mode with slots handed on (MiniMax's without a window).
 LOGITS_ONLY = frozenset({"llama-linear-rope", "llama-dynamic-rope", "llama-longrope", "qwen2-sliding-layers",
-                         "qwen3_next", "minimax", "minimax-sliding", "kimi_linear"})
+                         "qwen3_next", "minimax", "minimax-sliding", "kimi_linear",
+                         "muse_glimmer-crossed-layers-untied"})
 
 FAMILIES = sorted({family for family, _ in PARITY_CASES.values()})

@@ -41,7 +41,7 @@ OVERRIDES = {
 # ranks only, as declared.
 REPLICATED_CACHES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
 MOE_FAMILIES = ("qwen3_moe", "minimax_m2", "gpt_oss", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "qwen3_5_moe",
-                "minimax", "kimi_linear")
+                "minimax", "kimi_linear", "bailing_hybrid")
 # One family per mixer kind, for the kernels in interpret mode.
 MIXER_KINDS = {"gqa": "qwen3", "mla": "deepseek_v3", "sparse_mla": "deepseek_v32", "gated_deltanet": "qwen3_next",
                "kda": "kimi_linear", "lightning": "minimax", "moe": "qwen3_moe"}

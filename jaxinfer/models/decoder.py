@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jaxinfer.cache.metadata import StepMetadata
 from jaxinfer.cache.specs import CacheSpec
 from jaxinfer.config import ModelConfig
+from jaxinfer.kernels.math import rms_norm
 from jaxinfer.models.base import CausalLM
 from jaxinfer.models.layers import capture
 from jaxinfer.models.layers.activations import get_activation
@@ -55,6 +56,7 @@ class LayerSpec:
     ffn: DenseMLP | MoESpec = DenseMLP()
     residual: Any = PreNormResidual()  # a scheme of jaxinfer.models.residual
     ffn_name: str = "mlp"  # the MLP / MoE block's module name in the checkpoint
+    norm_eps: tuple[tuple[str, float], ...] = ()  # (norm name, eps) of norms not at rms_norm_eps (Muse Glimmer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +64,10 @@ class DecoderSpec:
     layers: tuple[LayerSpec, ...]
     norm: NormStyle = NormStyle()
     embed_scale: bool = False  # embeddings x sqrt(hidden_size), the factor rounded to the weight dtype (Gemma)
+    embed_norm: bool = False  # embeddings through a weightless RMSNorm at rms_norm_eps (Muse Glimmer)
+    placeholder_ids: tuple[int, ...] = ()  # embedded as token 0: image / video placeholders (HF's Muse Glimmer)
+    final_norm: NormStyle | None = None  # the final norm's flavour where it is not the layers' (Muse Glimmer)
+    logit_multiplier: float | None = None  # logits x this, before the soft-cap (Muse Glimmer)
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
 
     def __post_init__(self):
@@ -109,15 +115,19 @@ class DecoderLayer(nn.Module):
     norm: NormStyle
     param_dtype: jnp.dtype
 
+    def eps(self, name: str) -> float:
+        """The RMSNorm ``name``'s epsilon: ``rms_norm_eps`` unless the layer spec gives its own."""
+        return dict(self.spec.norm_eps).get(name, self.config.rms_norm_eps)
+
     def rms_norm(self, name: str) -> RMSNorm:
-        return RMSNorm(self.config.rms_norm_eps, unit_offset=self.norm.unit_offset,
+        return RMSNorm(self.eps(name), unit_offset=self.norm.unit_offset,
                        float32_weight=self.norm.float32_weight, param_dtype=self.param_dtype, name=name)
 
     def pre_normed(self, name: str, x, residual) -> PreNormed:
         """``x + residual`` and the RMSNorm ``name``, left for the sublayer's first projections."""
         init = "zeros" if self.norm.unit_offset else "ones"
         weight = NormWeight(x.shape[-1], self.param_dtype, init=init, name=name)()
-        return PreNormed(x, residual, weight, self.config.rms_norm_eps, unit_offset=self.norm.unit_offset,
+        return PreNormed(x, residual, weight, self.eps(name), unit_offset=self.norm.unit_offset,
                          float32_weight=self.norm.float32_weight)
 
     def feed_forward(self, x: SublayerInput):
@@ -172,9 +182,13 @@ class DecoderModel(nn.Module):
     def __call__(self, token_ids, md: StepMetadata, caches):
         c = self.config
         embed = Embedding(c.vocab_size, c.hidden_size, self.param_dtype, name="embed_tokens")
+        if self.spec.placeholder_ids:
+            token_ids = jnp.where(jnp.isin(token_ids, jnp.asarray(self.spec.placeholder_ids)), 0, token_ids)
         x = embed(token_ids)
         if self.spec.embed_scale:  # HF rounds the factor to the weight dtype first
             x = x * jnp.asarray(c.hidden_size ** 0.5, self.param_dtype)
+        if self.spec.embed_norm:
+            x = rms_norm(x, jnp.ones((), x.dtype), c.rms_norm_eps)  # weightless: the normalised rows in x's dtype
         # Each distinct RoPE the layers need, computed once per step.
         seq_len_of_token = md.seq_lens[md.token_seq_ids]
         tables = {}
@@ -194,8 +208,9 @@ class DecoderModel(nn.Module):
             new_caches.append(cache)
             if hidden_states:
                 capture.record(self, capture.HIDDEN_STATES, "layer_outputs", scheme.hidden(stream))
-        final_norm = RMSNorm(c.rms_norm_eps, unit_offset=self.spec.norm.unit_offset,
-                             float32_weight=self.spec.norm.float32_weight, param_dtype=self.param_dtype, name="norm")
+        style = self.spec.final_norm or self.spec.norm
+        final_norm = RMSNorm(c.rms_norm_eps, unit_offset=style.unit_offset, float32_weight=style.float32_weight,
+                             param_dtype=self.param_dtype, name="norm")
         x = scheme.finish(stream, final_norm)
         if hidden_states:
             capture.record(self, capture.HIDDEN_STATES, "final", x)
@@ -229,9 +244,14 @@ class DecoderForCausalLM(CausalLM):
                  "the vision tower and projector (text input only)"),)
 
     @classmethod
+    def ties_lm_head(cls, config: ModelConfig) -> bool:
+        """Whether the LM head is the embedding matrix (``tie_word_embeddings``)."""
+        return config.tie_word_embeddings
+
+    @classmethod
     def ignored_checkpoint_keys_for(cls, config: ModelConfig) -> tuple[str, ...]:
         # A tied LM head reads the embedding matrix; a stored copy is ignored, as HF does.
-        tied = (r"^lm_head\.weight$",) if config.tie_word_embeddings else ()
+        tied = (r"^lm_head\.weight$",) if cls.ties_lm_head(config) else ()
         return cls.ignored_checkpoint_keys + tied
 
     @nn.compact
@@ -242,10 +262,12 @@ class DecoderForCausalLM(CausalLM):
         x, embed, caches = DecoderModel(c, spec, self.dtype, name="model")(token_ids, md, caches)
         if not all_logits:
             x = x[md.logits_indices]
-        if c.tie_word_embeddings:
+        if type(self).ties_lm_head(c):
             logits = embed.attend(x)
         else:  # vocabulary-parallel: each device's block of logits, then all of them on every device
             logits = local.gather(Linear(c.vocab_size, False, self.dtype, (VOCAB, None), name="lm_head")(x), VOCAB)
+        if spec.logit_multiplier is not None:  # in float32, rounded once, as torch multiplies by a float
+            logits = (logits.astype(jnp.float32) * spec.logit_multiplier).astype(logits.dtype)
         cap = spec.final_logit_softcap
         if cap:
             logits = jnp.tanh(logits / cap) * cap  # in the logits' dtype, as HF

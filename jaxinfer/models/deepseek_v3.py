@@ -49,6 +49,15 @@ def mla_spec(config: ModelConfig, *, use_rope: bool = True) -> MLA:
                softmax_scale=yarn_softmax_scale(config, nope_dim + rope_dim) if use_rope else None)
 
 
+def mtp_checkpoint_keys(config: ModelConfig) -> tuple[tuple[str, str], ...]:
+    """(regex, what) of multi-token-prediction layers, which sit after the last decoder layer
+    (``num_nextn_predict_layers`` of them, at least one) or under ``mtp.``; HF does not load them either."""
+    n, extra = config.num_hidden_layers, max(config.int_field("num_nextn_predict_layers", default=1, ge=0), 1)
+    layers = "|".join(str(n + i) for i in range(extra))
+    return ((rf"^model\.layers\.({layers})\.", "multi-token-prediction layers"),
+            (r"^mtp\.", "multi-token-prediction layers"))
+
+
 def deepseek_moe(config: ModelConfig) -> MoESpec:
     """DeepSeek's routed experts and shared expert, from ``n_routed_experts`` ... ``routed_scaling_factor``."""
     experts = config.int_field("n_routed_experts", ge=1)
@@ -78,11 +87,7 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
 
     @classmethod
     def skipped_checkpoint_keys_for(cls, config: ModelConfig) -> tuple[tuple[str, str], ...]:
-        # Multi-token-prediction layers sit after the last decoder layer (HF does not load them either).
-        n, extra = config.num_hidden_layers, max(config.int_field("num_nextn_predict_layers", default=1, ge=0), 1)
-        layers = "|".join(str(n + i) for i in range(extra))
-        return super().skipped_checkpoint_keys_for(config) + (
-            (rf"^model\.layers\.({layers})\.", "multi-token-prediction layers"), (r"^mtp\.", "multi-token-prediction layers"))
+        return super().skipped_checkpoint_keys_for(config) + mtp_checkpoint_keys(config)
 
     @classmethod
     def check_checkpoint_layout(cls, config: ModelConfig, checkpoint) -> None:

@@ -10,10 +10,17 @@ float32. The output per head is ``o_norm.weight * rms_norm(o) * sigmoid(g_b_proj
 all in float32 (not SiLU as in gated DeltaNet), then ``o_proj``. The checkpoint keeps ``A_log`` as
 ``[1, 1, H, 1]`` and ``dt_bias`` as ``[H * d]``, the latter in float32 whatever the serving dtype.
 
-Tensor-parallel by head: each device projects its heads' q, k, v, decay (``f_b_proj``) and gate
-(``g_b_proj``) rows from the whole low-rank ``f_a_proj`` / ``g_a_proj`` outputs (which every device
-computes), holds their conv channels, ``A_log`` and ``dt_bias`` entries and state rows; ``o_proj`` is
-row-parallel.
+Bailing-MoE-V3's variant (``full_rank_gates``) projects the decay and the output gate at full rank,
+``forget_gate.f_proj`` and ``g_proj`` (``[H * d, hidden]``), keeps ``forget_gate.A_log`` as ``[H]`` and
+``forget_gate.dt_bias``, both float32, and rounds the decay to the serving dtype before the recurrence,
+as HF's forget gate returns it. The "safe" gate (``safe_gate_lower_bound`` b < 0, Bailing-MoE-V3's
+``kda_lower_bound``) bounds the log-decay to ``(b, 0)``: ``g = b * sigmoid(exp(A_log[h]) * (f + dt_bias))``. ``float32_conv``: the conv weights
+are kept in float32 (the conv runs in float32 either way, its output rounded to the serving dtype).
+
+Tensor-parallel by head: each device projects its heads' q, k, v, decay (``f_b_proj``, or ``f_proj``)
+and gate (``g_b_proj``, or ``g_proj``) rows, Kimi's from the whole low-rank ``f_a_proj`` / ``g_a_proj``
+outputs (which every device computes), holds their conv channels, ``A_log`` and ``dt_bias`` entries
+and state rows; ``o_proj`` is row-parallel.
 
 Each layer keeps per sequence a conv state (the last ``kernel - 1`` inputs of the three convs, in the
 cache dtype) ``[kernel - 1, 3, H * d]``, the three convs' channels apart so that each splits by head
@@ -47,6 +54,9 @@ class KDA:
     """A KDA mixer; sizes come from the config's ``linear_*`` fields (HF's config class reads them
     from a hub config's ``linear_attn_config``)."""
 
+    full_rank_gates: bool = False  # Bailing-MoE-V3's forget_gate.f_proj and g_proj, not Kimi's low-rank pairs
+    safe_gate_lower_bound: float | None = None  # the "safe" gate: log-decay in (bound, 0)
+    float32_conv: bool = False  # conv weights in float32, as HF keeps Bailing-MoE-V3's
     name: str = "self_attn"
 
     @staticmethod
@@ -81,7 +91,26 @@ class KDA:
         s = self.sizes(config)
         return KimiDeltaAttention(num_heads=s["num_heads"], head_dim=s["head_dim"], conv_kernel=s["conv_kernel_dim"],
                                   activation=CONV_ACTIVATIONS.get(config.hidden_act, "silu"), eps=config.rms_norm_eps,
+                                  full_rank_gates=self.full_rank_gates,
+                                  safe_gate_lower_bound=self.safe_gate_lower_bound, float32_conv=self.float32_conv,
                                   param_dtype=param_dtype, name=self.name)
+
+
+class ForgetGateParams(nn.Module):
+    """Bailing-MoE-V3's ``forget_gate``: its full-rank ``f_proj`` weight, ``A_log [H]`` and
+    ``dt_bias [H * d]`` (both float32, as HF keeps them), this device's heads -> (weight, A_log, dt_bias)."""
+
+    num_heads: int
+    head_dim: int
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, hidden: int):
+        h, d = self.num_heads, self.head_dim
+        weight = LinearParams(h * d, False, self.param_dtype, (HEADS, None), name="f_proj")(hidden)[0]
+        a_log = local.param(self, "A_log", nn.initializers.zeros, (h,), (HEADS,), jnp.float32)
+        dt_bias = local.param(self, "dt_bias", nn.initializers.zeros, (h * d,), (HEADS,), jnp.float32)
+        return weight, a_log, dt_bias
 
 
 class KimiDeltaAttention(nn.Module):
@@ -90,6 +119,9 @@ class KimiDeltaAttention(nn.Module):
     conv_kernel: int
     activation: str
     eps: float
+    full_rank_gates: bool = False
+    safe_gate_lower_bound: float | None = None
+    float32_conv: bool = False
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
@@ -100,12 +132,17 @@ class KimiDeltaAttention(nn.Module):
         h, d = self.num_heads, self.head_dim
         local_h = local.local(h, HEADS)
         param = lambda n, name, axis: LinearParams(n, False, self.param_dtype, (axis, None), name=name)(hidden)[0]  # noqa: E731
-        # Every projection of the block's input, in one op with the block's norm; the low-rank f_a / g_a whole.
-        weights = [param(h * d, "q_proj", HEADS), param(h * d, "k_proj", HEADS), param(h * d, "v_proj", HEADS),
-                   param(d, "f_a_proj", None), param(h, "b_proj", HEADS), param(d, "g_a_proj", None)]
+        # Every projection of the block's input, in one op with the block's norm; Kimi's low-rank f_a / g_a whole.
+        weights = [param(h * d, "q_proj", HEADS), param(h * d, "k_proj", HEADS), param(h * d, "v_proj", HEADS)]
+        if self.full_rank_gates:
+            f_weight, a_log, dt_bias = ForgetGateParams(h, d, self.param_dtype, name="forget_gate")(hidden)
+            weights += [f_weight, param(h, "b_proj", HEADS), param(h * d, "g_proj", HEADS)]
+        else:
+            weights += [param(d, "f_a_proj", None), param(h, "b_proj", HEADS), param(d, "g_a_proj", None)]
         q, k, v, f, b, gate = x.project(weights)
 
-        conv_weight = jnp.concatenate([ConvWeight(h * d, self.conv_kernel, self.param_dtype, HEADS, name=f"{n}_conv1d")()
+        conv_dtype = jnp.float32 if self.float32_conv else self.param_dtype
+        conv_weight = jnp.concatenate([ConvWeight(h * d, self.conv_kernel, conv_dtype, HEADS, name=f"{n}_conv1d")()
                                        for n in "qkv"])
         pool = cache["conv_state"]  # [slots, K - 1, 3, local channels]: as the conv input [q | k | v]
         mixed, conv_state = short_conv(jnp.concatenate([q, k, v], axis=-1), conv_weight,
@@ -115,17 +152,25 @@ class KimiDeltaAttention(nn.Module):
         k = l2_normalize(mixed[:, 1])
         v = mixed[:, 2]
 
-        a_log = local.param(self, "A_log", nn.initializers.zeros, (1, 1, h, 1), (None, None, HEADS, None),
-                            self.param_dtype).reshape(local_h, 1)
-        dt_bias = local.param(self, "dt_bias", nn.initializers.zeros, (h * d,), (HEADS,), jnp.float32)  # as HF keeps it
-        f = Linear(h * d, False, self.param_dtype, (HEADS, None), name="f_b_proj")(f)
-        g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus((f.astype(jnp.float32) + dt_bias).reshape(t, local_h, d))
+        if not self.full_rank_gates:
+            a_log = local.param(self, "A_log", nn.initializers.zeros, (1, 1, h, 1), (None, None, HEADS, None),
+                                self.param_dtype)
+            dt_bias = local.param(self, "dt_bias", nn.initializers.zeros, (h * d,), (HEADS,), jnp.float32)  # as HF
+            f = Linear(h * d, False, self.param_dtype, (HEADS, None), name="f_b_proj")(f)
+            gate = Linear(h * d, False, self.param_dtype, (HEADS, None), name="g_b_proj")(gate)
+        f = (f.astype(jnp.float32) + dt_bias).reshape(t, local_h, d)
+        rate = jnp.exp(a_log.astype(jnp.float32)).reshape(local_h, 1)
+        if self.safe_gate_lower_bound is None:
+            g = -rate * jax.nn.softplus(f)
+        else:
+            g = self.safe_gate_lower_bound * jax.nn.sigmoid(rate * f)
+        if self.full_rank_gates:
+            g = g.astype(x.dtype).astype(jnp.float32)  # Bailing's forget gate returns the serving dtype, as HF
         beta = jax.nn.sigmoid(b).astype(jnp.float32)  # in b's dtype, as HF
         out, recurrent_state = run_recurrence(kda_ops.kda, kda_ops.recurrent_update, cache["recurrent_state"], md,
                                               q, k, v, g, beta)
 
-        gate = Linear(h * d, False, self.param_dtype, (HEADS, None), name="g_b_proj")(gate).reshape(t, local_h, d)
         out = GatedRMSNorm(self.eps, "sigmoid", float32_weight=True, param_dtype=self.param_dtype, name="o_norm")(
-            out.astype(x.dtype), gate)
+            out.astype(x.dtype), gate.reshape(t, local_h, d))
         out = Linear(hidden, False, self.param_dtype, (None, HEADS), name="o_proj")(out.reshape(t, local_h * d))
         return out, {"conv_state": conv_state.reshape(pool.shape), "recurrent_state": recurrent_state}

@@ -8,7 +8,9 @@ Attention runs in absorbed form, for prefill chunks and decode alike: ``q_nope``
 output is a sum of latents, and W_UV (kv_b's value rows) maps it to each head's values. One code path
 then reads cached pages for chunked prefill and decode; the expanded form (keys and values per head
 from kv_b, fewer FLOPs per key at long prompts) is left to a GPU prefill kernel.
-The latent and q_a norms use eps 1e-6 whatever ``rms_norm_eps`` says, as HF does.
+The latent and q_a norms use eps 1e-6 whatever ``rms_norm_eps`` says, as HF does. With
+``output_gate`` (Bailing-MoE-V3) each head's output is scaled by ``sigmoid(g_proj(x))``, one gate per
+head (computed in float32, rounded to the serving dtype), before o_proj.
 
 With an ``Indexer`` (DeepSeek sparse attention: DeepSeek-V3.2, GLM-5) the layer also keeps one
 indexer key per token (a ``PagedSide`` cache) and each token attends only to the ``top_k`` cached
@@ -33,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from jaxinfer.cache import fp8
@@ -90,6 +93,7 @@ class MLA:
     softmax_scale: float | None = None  # default (qk_nope + qk_rope) ** -0.5
     indexer: Indexer | None = None  # DeepSeek sparse attention
     shares_selection: bool = False  # sparse attention over the previous layer's selection, no indexer (GLM-5)
+    output_gate: bool = False  # each head's output times sigmoid(g_proj(x)[head]) (Bailing-MoE-V3)
     name: str = "self_attn"
 
     @property
@@ -153,11 +157,15 @@ class MultiHeadLatentAttention(nn.Module):
         kv_a = LinearParams(s.kv_lora_rank + s.qk_rope_head_dim, s.attention_bias, self.param_dtype,
                             name="kv_a_proj_with_mqa")(hidden)
         weights, biases = [q_first[0], kv_a[0]], [q_first[1], kv_a[1]]
+        if s.output_gate:  # one gate per head, column-parallel like the heads
+            gate_weight, _ = LinearParams(self.num_heads, False, self.param_dtype, (HEADS, None), name="g_proj")(hidden)
+            weights.append(gate_weight)
+            biases.append(None)
         if s.indexer is not None:  # the indexer projects the normed input too
             normed = x.normed()
-            q, kv = linear_ops.project(normed, weights, biases)
+            q, kv, *gate = linear_ops.project(normed, weights, biases)
         else:
-            q, kv = x.project(weights, biases)
+            q, kv, *gate = x.project(weights, biases)
         if s.q_lora_rank:
             q = q_resid = RMSNorm(LATENT_NORM_EPS, param_dtype=self.param_dtype, name="q_a_layernorm")(q)
             q = Linear(q_width, False, self.param_dtype, (HEADS, None), name="q_b_proj")(q)
@@ -204,6 +212,8 @@ class MultiHeadLatentAttention(nn.Module):
                 q_latent, q_rope, latent_cache, md.positions, md.token_seq_ids, md.block_tables, scale=scale,
                 selected_slots=selected))
         values = jnp.einsum("thr,hvr->thv", out, w_uv)
+        if s.output_gate:
+            values = values * jax.nn.sigmoid(gate[0].astype(jnp.float32)).astype(values.dtype)[..., None]
         out = Linear(hidden, s.attention_bias, self.param_dtype, (None, HEADS), name="o_proj")(
             values.reshape(t, heads * s.v_head_dim))
         return out, new_cache
