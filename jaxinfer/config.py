@@ -26,7 +26,7 @@ ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 # (pyproject's lower bound, 5.17): there, their config class is missing (``sarvam_mla``) or its
 # validator refuses what the checkpoints hold (``layer_types: indexed_attention``). The version is
 # the one they are tested with.
-TRANSFORMERS_NEEDED = {"deepseek_v32": "5.24", "glm_moe_dsa": "5.24", "sarvam_mla": "5.24"}
+TRANSFORMERS_NEEDED = {"deepseek_v32": "5.24", "glm_moe_dsa": "5.24", "hy_v4": "5.24", "sarvam_mla": "5.24"}
 _REQUIRED = object()
 
 

@@ -34,6 +34,7 @@ _BUILTIN_MODELS: dict[str, str] = {
     "Kimi_K25ForConditionalGeneration": _DEEPSEEK_V3,  # its text model (text_config) is DeepSeek-V3
     "DeepseekV32ForCausalLM": "jaxinfer.models.deepseek_v32:DeepseekV32ForCausalLM",
     "GlmMoeDsaForCausalLM": "jaxinfer.models.glm_moe_dsa:GlmMoeDsaForCausalLM",
+    "HYV4ForCausalLM": "jaxinfer.models.hy_v4:HYV4ForCausalLM",
     "KimiLinearForCausalLM": "jaxinfer.models.kimi_linear:KimiLinearForCausalLM",
     "BailingHybridForCausalLM": "jaxinfer.models.bailing_hybrid:BailingHybridForCausalLM",
     "Qwen3NextForCausalLM": "jaxinfer.models.qwen3_next:Qwen3NextForCausalLM",

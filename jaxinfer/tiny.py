@@ -68,6 +68,14 @@ TINY_FAMILIES: dict[str, dict] = {
                         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
                         first_k_dense_replace=1, routed_scaling_factor=2.5, index_n_heads=16, index_head_dim=16,
                         index_topk=8, indexer_types=["full", "shared"], head_dim=None),
+    # HY-V4: a dense layer with the indexer, then MoE layers (one sharing its selection); 2 hyper-connection
+    # streams, half-split RoPE, sinks and the per-value-dim gate.
+    "hy_v4": dict(architectures=["HYV4ForCausalLM"], model_type="hy_v4", num_hidden_layers=3, num_key_value_heads=4,
+                  q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                  n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                  routed_scaling_factor=2.5, index_n_heads=16, index_head_dim=16, index_topk=8,
+                  indexer_types=["full", "shared", "full"], mlp_layer_types=["dense", "sparse", "sparse"],
+                  hc_mult=2, swiglu_limit=10.0, head_dim=None),
     "qwen3_next": dict(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", **_GATED_DELTANET,
                        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                        shared_expert_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[]),

@@ -52,6 +52,7 @@ def make_hf_checkpoint(path, family: str, seed: int = 0, **overrides):
         "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
         "deepseek_v32": (transformers.DeepseekV32Config, transformers.DeepseekV32ForCausalLM),
         "glm_moe_dsa": (transformers.GlmMoeDsaConfig, transformers.GlmMoeDsaForCausalLM),
+        "hy_v4": (transformers.HYV4Config, transformers.HYV4ForCausalLM),
         "sarvam_mla": (transformers.SarvamMLAConfig, transformers.DeepseekV3ForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
         "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
@@ -70,7 +71,7 @@ def make_hf_checkpoint(path, family: str, seed: int = 0, **overrides):
     # them so the parity test sees every one of them.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or "bias" in name or name.endswith("sinks"):
+            if name.endswith(("norm.weight", "sinks", "hc.base", "hc.scale", "hc_base", "hc_scale")) or "bias" in name:
                 p.add_(0.1 * torch.randn_like(p))
             if ".experts." in name and p.dim() >= 2:
                 p.normal_(0.0, 0.05)

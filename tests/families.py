@@ -54,6 +54,15 @@ V32 = dict(num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_h
 GLM5 = dict({k: v for k, v in V32.items() if k not in ("n_group", "topk_group")}, num_hidden_layers=4,
             indexer_types=["full", "shared", "full", "shared"])
 
+# HY-V4: a dense layer with its indexer, an MoE layer sharing that selection, an MoE layer with its own
+# indexer (index_topk below the prompts); half-split RoPE, the indexer's RoPE on its last dims, per-head
+# sinks, the per-value-dim output gate, a SwiGLU clamp (0.3) that clips the routed experts, 2 iHC streams.
+HY_V4 = dict(num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+             v_head_dim=12, q_lora_rank=32, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+             n_shared_experts=1, routed_scaling_factor=2.5, index_n_heads=16, index_head_dim=16, index_topk=8,
+             indexer_types=["full", "shared", "full"], mlp_layer_types=["dense", "sparse", "sparse"], hc_mult=2,
+             swiglu_limit=0.3, initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
 # The gated-DeltaNet hybrids: a DeltaNet layer and a gated full-attention layer; 2 key heads feeding
 # 4 value heads; partial RoPE.
 HYBRID = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], head_dim=16,
@@ -147,6 +156,7 @@ PARITY_CASES: dict[str, tuple[str, dict]] = {
     "deepseek_v32-yarn-mlp-layer-types": ("deepseek_v32", dict(V32, rope_parameters=YARN, num_hidden_layers=3,
                                                                mlp_layer_types=["dense", "sparse", "dense"])),
     "glm_moe_dsa-shared-layers": ("glm_moe_dsa", GLM5),
+    "hy_v4": ("hy_v4", HY_V4),
     **{family: (family, overrides) for family, overrides in GATED_DELTANET.items()},
     "minimax": ("minimax", MINIMAX),
     "minimax-sliding": ("minimax", dict(MINIMAX, sliding_window=8)),

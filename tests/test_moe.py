@@ -217,7 +217,7 @@ SHARDED_BLOCK = textwrap.dedent("""
             for tokens in (1, 9, 80):
                 with registry.targeting(chosen):  # traced afresh: the target picks the ops
                     want[target, tokens] = np.asarray(jax.jit(lambda p, x: apply(p, x))(tree, x_all[:tokens]))
-        for tp, ep in ((2, False), (4, False), (2, True), (4, True)):
+        for tp, ep in ((2, False), (4, True)):  # experts split by width, and whole (test_sharding: the rest)
             plan = resolve(make_mesh(tp), axes, shapes, expert_parallel=ep)
             for (target, tokens), one in want.items():
                 with registry.targeting(targets[target]):
@@ -235,6 +235,6 @@ def test_the_block_under_tensor_and_expert_parallelism_matches_one_device():
                             timeout=1800)
     assert result.returncode == 0, result.stderr[-4000:]
     diffs = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(diffs) == 2 * 4 * 2 * 3
+    assert len(diffs) == 2 * 2 * 2 * 3
     for key, (diff, scale) in diffs.items():
         assert scale > 0.1 and diff <= 1e-5 * scale, (key, diff, scale)

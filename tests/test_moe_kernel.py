@@ -55,6 +55,8 @@ CASES = {
     "decode-t1-silu-f32": (1, 2, 8, 80, 48, jnp.float32, "silu", (), "uniform", {}),
     "decode-t4-gptoss-bias-f32": (4, 4, 8, 80, 48, jnp.float32, "gpt_oss", ALL_BIASES, "uniform", {}),
     "decode-t2-gptoss-bias-bf16": (2, 2, 8, 80, 48, jnp.bfloat16, "gpt_oss", ALL_BIASES, "uniform", {}),
+    # HY-V4's clamped SwiGLU, at a limit the activations cross.
+    "decode-t4-swiglu-clamp-f32": (4, 2, 8, 80, 48, jnp.float32, "swiglu_clamp", (), "uniform", dict(limit=0.3)),
     # Distinct experts promised (as top-k routing gives): decode-sized steps group without a sort.
     "decode-t6-distinct-silu-f32": (6, 3, 8, 80, 48, jnp.float32, "silu", (), "uniform",
                                     dict(distinct_experts=True)),
@@ -89,7 +91,8 @@ def test_matches_reference(case):
     if dist == "uneven":  # the case really is uneven: idle experts, and one expert with many rows
         loads = np.bincount(np.asarray(ids).ravel(), minlength=e)
         assert (loads == 0).sum() >= 3 and loads.max() > 32
-    ref = reference.moe_mlp(x, ids, weights, **params, activation=activation)
+    limit = {"limit": options["limit"]} if "limit" in options else {}
+    ref = reference.moe_mlp(x, ids, weights, **params, activation=activation, **limit)
     out = grouped_pallas.moe_mlp(x, ids, weights, **params, activation=activation, interpret=True, **options)
     assert out.shape == (t, h) and out.dtype == x.dtype
     ref = np.asarray(ref, np.float32)

@@ -1,10 +1,10 @@
 """Tensor, data and expert parallelism for every tiny family, on a CPU mesh of 8 fake devices.
 
 One subprocess (the device-count flag must precede jax's start) runs every check and writes its
-findings as JSON; the tests below read them. Per family: logits at TP = 4 and TP = 2 x DP = 2 (and,
-for MoE families, with the experts split over the four devices of the latter) against one device; the engine's
-greedy tokens at TP = 2 x DP = 2 (experts over all four devices for MoE families), with sequences on
-both ranks, against one device's logits of the same sequences; every declared split is real (each
+findings as JSON; the tests below read them. Per family: logits at TP = 4 and TP = 2 x DP = 2 (MoE
+experts split by width in the first, whole over the four devices in the second) against one device;
+the engine's greedy tokens at TP = 2 x DP = 2 (experts over all four devices for MoE families), with
+sequences on both ranks, against one device's logits of the same sequences; every declared split is real (each
 device holds 1/ways of each split parameter and cache array). Once per mixer kind: the Pallas
 kernels, in interpret mode, inside the per-device forward. Then strict mode on a sharded engine, an
 export made on 4 devices served on 4 and refused on 2, the counts refused before loading, and two
@@ -39,9 +39,9 @@ OVERRIDES = {
 }
 # Families whose caches are all MLA latents (and indexer keys): split by page over data-parallel
 # ranks only, as declared.
-REPLICATED_CACHES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
+REPLICATED_CACHES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4")
 MOE_FAMILIES = ("qwen3_moe", "minimax_m2", "gpt_oss", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "qwen3_5_moe",
-                "minimax", "kimi_linear", "bailing_hybrid")
+                "minimax", "kimi_linear", "bailing_hybrid", "hy_v4")
 # One family per mixer kind, for the kernels in interpret mode.
 MIXER_KINDS = {"gqa": "qwen3", "mla": "deepseek_v3", "sparse_mla": "deepseek_v32", "gated_deltanet": "qwen3_next",
                "kda": "kimi_linear", "lightning": "minimax", "moe": "qwen3_moe"}
@@ -109,8 +109,8 @@ SCRIPT = textwrap.dedent("""
         path = checkpoint(family)
         single = load_model(path)
         reference = single.logits(ids)
-        # Four ways by tensor, and two by two; experts split over all four devices beside the second.
-        configs = [(4, 1, False), (2, 2, False)] + ([(2, 2, True)] if family in moe else [])
+        # Four ways by tensor, and two by two (MoE experts split whole over its four devices there).
+        configs = [(4, 1, False), (2, 2, family in moe)]
         for tp, dp, ep in configs:
             name = f"{family}-tp{tp}{f'-dp{dp}' if dp > 1 else ''}{'-ep' if ep else ''}"
             model = load_model(path, tensor_parallel_size=tp, data_parallel_size=dp, enable_expert_parallel=ep)
@@ -238,8 +238,7 @@ def findings(tmp_path_factory):
 
 
 def _configs(family):
-    names = [f"{family}-tp4", f"{family}-tp2-dp2"]
-    return names + ([f"{family}-tp2-dp2-ep"] if family in MOE_FAMILIES else [])
+    return [f"{family}-tp4", f"{family}-tp2-dp2{'-ep' if family in MOE_FAMILIES else ''}"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

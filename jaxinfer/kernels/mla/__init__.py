@@ -6,6 +6,7 @@ its ``supports`` takes the call, in bf16 / f16 on a GPU (in float32 XLA's fusion
 was faster: docs/performance.md, "MLA decode"; interpreted, at every dtype). The cache write and
 the ragged prefill run the reference everywhere. An fp8 cache (``kv_cache_dtype="fp8"``) comes with
 its ``cache_scale``: the decode kernel reads its e4m3 rows itself, converting them in registers.
+Per-head ``sinks`` (HY-V4) are taken by the reference alone: the decode kernel's ``supports`` refuses them.
 """
 
 from __future__ import annotations
@@ -47,10 +48,11 @@ def mla_paged_decode_attention(q_latent, q_rope, cache, block_tables, seq_lens, 
 
 
 def mla_ragged_paged_attention(q_latent, q_rope, cache, positions, token_seq_ids, block_tables, seq_lens, *, scale,
-                               valid=None, **cache_scale):
-    """Queries of several sequences (any number of new tokens each) over their latent pages."""
+                               valid=None, **options):
+    """Queries of several sequences (any number of new tokens each) over their latent pages
+    (``options``: an fp8 cache's ``cache_scale``, per-head ``sinks``)."""
     return mla_ragged_paged_attention_op(q_latent, q_rope, cache, positions, token_seq_ids, block_tables, seq_lens,
-                                         scale=scale, valid=valid, **cache_scale)
+                                         scale=scale, valid=valid, **options)
 
 
 __all__ = ["mla_paged_decode_attention", "mla_ragged_paged_attention", "write_latent_cache"]

@@ -166,6 +166,8 @@ def plan_blocking(num_seqs: int, num_heads: int, tokens_per_seq: int | None, lat
 
 def _unsupported_reason(q_latent, q_rope, cache, options) -> str | None:
     """Why the kernel cannot take this call, or None where it can."""
+    if "sinks" in options:
+        return "per-head sinks are not in the kernel's online softmax: the reference serves such calls"
     unknown = sorted(set(options) - set(_TUNING) - {"cache_scale"})
     if unknown:
         return f"unknown options {unknown}"
@@ -209,7 +211,8 @@ def supports(q_latent, q_rope, cache, **options) -> bool:
     of ``mla_paged_decode_attention`` and an fp8 cache's ``cache_scale``): one dtype of bf16 / f16 /
     f32 for q and the cache (or an fp8 cache with its scale), R and P
     powers of two >= 16, a cache addressable with 32-bit element offsets, tiles within the register
-    and shared-memory budgets, given tuning values well formed."""
+    and shared-memory budgets, given tuning values well formed. Calls with per-head ``sinks`` are
+    refused (the reference serves them)."""
     return _unsupported_reason(q_latent, q_rope, cache, options) is None
 
 

@@ -10,6 +10,9 @@ the latent itself. The score of key ``j`` is ``(q_latent . latent_j + q_rope . k
 in float32; queries with no visible key (padding) give zeros. These functions are the semantic
 truth the GPU kernels are tested against.
 
+``sinks`` (optional, one float32 logit per head, HY-V4): an extra softmax column per head that takes
+part in the normalisation and is dropped, as GPT-OSS's attention sinks, so a row sums to less than 1.
+
 An fp8 cache (``kv_cache_dtype="fp8"``) comes with its one scale, ``cache_scale`` (a float32 scalar for
 the whole row, latent and rope key alike): rows are written as ``clip(x / scale, -448, 448)`` in e4m3
 and read as ``value * scale`` (``jaxinfer.cache.fp8``).
@@ -46,25 +49,27 @@ def _gather_sequences(cache, block_tables, scale=None):
     return pages.reshape(num_seqs, pages_per_seq * page_size, width)
 
 
-def latent_attention_probs(q_latent, q_rope, keys, visible, *, scale):
+def latent_attention_probs(q_latent, q_rope, keys, visible, *, scale, sinks=None):
     """q_latent [N, H, R], q_rope [N, H, P]; keys [N, L, R + P] (the cache rows each query sees);
-    visible [N, L] -> float32 probabilities [N, H, L], zeros where nothing is visible."""
+    visible [N, L]; sinks [H] or None -> float32 probabilities [N, H, L], zeros where nothing is visible."""
     latent_dim = q_latent.shape[-1]
     keys = jnp.where(visible[..., None], keys.astype(jnp.float32), 0.0)  # whatever the rows past a length hold
     scores = (jnp.einsum("nhr,nlr->nhl", q_latent.astype(jnp.float32), keys[..., :latent_dim])
               + jnp.einsum("nhp,nlp->nhl", q_rope.astype(jnp.float32), keys[..., latent_dim:])) * scale
-    return masked_softmax(scores, visible[:, None, :])
+    sink = None if sinks is None else sinks.astype(jnp.float32)[None, :, None]
+    return masked_softmax(scores, visible[:, None, :], sink)
 
 
-def _attend_latent(q_latent, q_rope, keys, visible, *, scale):
+def _attend_latent(q_latent, q_rope, keys, visible, *, scale, sinks=None):
     """q_latent [N, H, R], q_rope [N, H, P]; keys [N, L, R + P] (the cache rows each query sees);
     visible [N, L] -> [N, H, R] in q_latent's dtype, zeros where nothing is visible."""
-    probs = latent_attention_probs(q_latent, q_rope, keys, visible, scale=scale)
+    probs = latent_attention_probs(q_latent, q_rope, keys, visible, scale=scale, sinks=sinks)
     latent = jnp.where(visible[..., None], keys[..., :q_latent.shape[-1]].astype(jnp.float32), 0.0)
     return jnp.einsum("nhl,nlr->nhr", probs, latent).astype(q_latent.dtype)
 
 
-def mla_paged_decode_attention(q_latent, q_rope, cache, block_tables, seq_lens, *, scale, cache_scale=None):
+def mla_paged_decode_attention(q_latent, q_rope, cache, block_tables, seq_lens, *, scale, cache_scale=None,
+                               sinks=None):
     """One query per sequence, at position ``seq_lens[s] - 1``, over keys ``0 .. seq_lens[s] - 1``.
 
     q_latent [S, H, R] (q_nope absorbed through W_UK), q_rope [S, H, P] (rotated); cache [pages,
@@ -73,11 +78,11 @@ def mla_paged_decode_attention(q_latent, q_rope, cache, block_tables, seq_lens, 
     fp8.check_scale(cache, cache_scale, "latent")
     keys = _gather_sequences(cache, block_tables, cache_scale)
     visible = jnp.arange(keys.shape[1])[None, :] < seq_lens[:, None]
-    return _attend_latent(q_latent, q_rope, keys, visible, scale=scale)
+    return _attend_latent(q_latent, q_rope, keys, visible, scale=scale, sinks=sinks)
 
 
 def mla_ragged_paged_attention(q_latent, q_rope, cache, positions, token_seq_ids, block_tables, seq_lens, *, scale,
-                               valid=None, cache_scale=None):
+                               valid=None, cache_scale=None, sinks=None):
     """Prefill / chunked prefill: token ``t`` of sequence ``token_seq_ids[t]`` at ``positions[t]``
     attends keys ``j <= positions[t]`` with ``j < seq_lens[token_seq_ids[t]]`` (the cache already
     holds this step's keys). ``valid [T]`` (optional): False marks padding tokens, which get zeros.
@@ -94,7 +99,7 @@ def mla_ragged_paged_attention(q_latent, q_rope, cache, positions, token_seq_ids
     visible = (key_pos <= positions[:, None]) & (key_pos < seq_lens[seq_ids][:, None]) & in_range[:, None]
     if valid is not None:
         visible &= valid[:, None]
-    return _attend_latent(q_latent, q_rope, keys, visible, scale=scale)
+    return _attend_latent(q_latent, q_rope, keys, visible, scale=scale, sinks=sinks)
 
 
 __all__ = ["mla_paged_decode_attention", "mla_ragged_paged_attention", "write_latent_cache"]

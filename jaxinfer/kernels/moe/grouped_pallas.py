@@ -80,7 +80,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxinfer.kernels import pdl
 from jaxinfer.kernels.moe import expert_tiles, grouping_pallas
 from jaxinfer.kernels.moe.grouping import group_few_by_expert, group_one_token
-from jaxinfer.kernels.moe.reference import gated_activation
+from jaxinfer.kernels.moe.reference import ACTIVATIONS, gated_activation
 
 DECODE_ROWS = 128  # T * k at or below this is decode-sized: one row block per touched expert
 
@@ -325,7 +325,7 @@ def moe_mlp(x, expert_ids, expert_weights, gate, up, down, *, gate_bias=None, up
     repeat): then no expert has more than ``T`` rows, and decode-sized calls group their rows without a
     sort.
     """
-    if activation not in ("silu", "gpt_oss"):
+    if activation not in ACTIVATIONS:
         raise ValueError(f"unknown MoE activation {activation!r}")
     num_tokens, hidden = x.shape
     num_experts, inter, hidden_w = gate.shape

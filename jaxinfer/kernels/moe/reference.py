@@ -25,6 +25,7 @@ group and contributes exactly zero (expert parallelism: an expert another device
 
 Activations: ``"silu"`` is SwiGLU, ``silu(gate) * up``. ``"gpt_oss"`` is GPT-OSS's clamped variant:
 ``gate = min(gate, limit)``, ``up = clip(up, -limit, limit)``, ``(up + 1) * gate * sigmoid(alpha * gate)``.
+``"swiglu_clamp"`` (HY-V4's routed experts) clamps the same way, then plain SwiGLU: ``silu(gate) * up``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ import jax.numpy as jnp
 from jaxinfer.quantization import as_array
 
 
+ACTIVATIONS = ("silu", "gpt_oss", "swiglu_clamp")
+
+
 def gated_activation(gate, up, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0):
     if activation == "silu":
         return jax.nn.silu(gate) * up
@@ -42,6 +46,8 @@ def gated_activation(gate, up, activation: str = "silu", alpha: float = 1.702, l
         gate = jnp.minimum(gate, limit)
         up = jnp.clip(up, -limit, limit)
         return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+    if activation == "swiglu_clamp":
+        return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
     raise ValueError(f"unknown MoE activation {activation!r}")
 
 

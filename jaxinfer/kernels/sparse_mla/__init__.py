@@ -77,9 +77,10 @@ def indexer_select(q, weights, index_cache, positions, token_seq_ids, block_tabl
                              top_k=top_k, **cache_scale)
 
 
-def sparse_mla_attention(q_latent, q_rope, latent_cache, slots, *, scale, **cache_scale):
-    """Absorbed-form MLA over each token's selected latent rows -> [T, H, R]; see the reference."""
-    return sparse_mla_attention_op(q_latent, q_rope, latent_cache, slots, scale=scale, **cache_scale)
+def sparse_mla_attention(q_latent, q_rope, latent_cache, slots, *, scale, **options):
+    """Absorbed-form MLA over each token's selected latent rows -> [T, H, R] (``options``: an fp8
+    cache's ``cache_scale``, per-head ``sinks``); see the reference."""
+    return sparse_mla_attention_op(q_latent, q_rope, latent_cache, slots, scale=scale, **options)
 
 
 __all__ = ["indexer_select", "sparse_mla_attention", "write_index_keys"]

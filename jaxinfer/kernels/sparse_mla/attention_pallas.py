@@ -46,6 +46,8 @@ _TUNING = ("block_heads", "block_keys", "num_splits", "num_warps", "num_stages")
 def _unsupported_reason(q_latent, q_rope, cache, slots, options) -> str | None:
     """Why the kernel cannot take this call, or None where it can (``options``: tuning keywords and
     an fp8 cache's ``cache_scale``)."""
+    if "sinks" in options:
+        return "per-head sinks are not in the kernel's online softmax: the tiled path serves such calls"
     unknown = sorted(set(options) - set(_TUNING) - {"cache_scale"})
     if unknown:
         return f"unknown options {unknown}"
@@ -66,7 +68,7 @@ def _scaled(cache_scale) -> dict:
 def supports(q_latent, q_rope, cache, slots, *, scale=None, cache_scale=None, **options) -> bool:
     """Whether the kernel takes the call: the MLA decode kernel's dtypes (an fp8 cache with its scalar
     ``cache_scale``, and a scale only with one), power-of-two R and P and budgets, and an integer
-    ``[T, K]`` selection."""
+    ``[T, K]`` selection. Calls with per-head ``sinks`` are refused (the tiled path serves them)."""
     return _unsupported_reason(q_latent, q_rope, cache, slots, {**options, **_scaled(cache_scale)}) is None
 
 

@@ -13,7 +13,8 @@ best first; equal scores go to the lower position (``lax.top_k``'s order); -1 wh
 fewer than ``top_k`` keys, and for padding tokens.
 
 **Sparse attention.** MLA in absorbed form (``jaxinfer.kernels.mla.reference``) over each token's
-selected rows of the latent cache alone.
+selected rows of the latent cache alone; optional per-head ``sinks`` (HY-V4) join each head's
+softmax as an extra column that is dropped (``jaxinfer.kernels.mla.reference``).
 
 **fp8 caches** (``kv_cache_dtype="fp8"``): the index keys and the latent rows come with their
 ``cache_scale``; writes quantize and reads dequantize (``jaxinfer.cache.fp8``).
@@ -76,15 +77,15 @@ def indexer_select(q, weights, index_cache, positions, token_seq_ids, block_tabl
     return select_slots(scores, token_seq_ids, block_tables, top_k=top_k, page_size=index_cache.shape[1])
 
 
-def sparse_mla_attention(q_latent, q_rope, latent_cache, slots, *, scale, cache_scale=None):
+def sparse_mla_attention(q_latent, q_rope, latent_cache, slots, *, scale, cache_scale=None, sinks=None):
     """q_latent [T, H, R], q_rope [T, H, P]; latent_cache [num_pages, page_size, R + P]; slots
-    [T, K] (-1: none) -> [T, H, R]: each token attends to its selected rows alone (zeros where it
-    has none)."""
+    [T, K] (-1: none); sinks [H] or None -> [T, H, R]: each token attends to its selected rows alone
+    (zeros where it has none)."""
     fp8.check_scale(latent_cache, cache_scale, "latent")
     num_pages, page_size, width = latent_cache.shape
     rows = latent_cache.reshape(num_pages * page_size, width)[jnp.maximum(slots, 0)]  # [T, K, R + P]
     rows = fp8.dequantize(rows, cache_scale)
-    return _attend_latent(q_latent, q_rope, rows, slots >= 0, scale=scale)
+    return _attend_latent(q_latent, q_rope, rows, slots >= 0, scale=scale, sinks=sinks)
 
 
 __all__ = ["indexer_scores", "indexer_select", "select_slots", "sparse_mla_attention", "write_index_keys"]

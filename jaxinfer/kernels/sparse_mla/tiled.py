@@ -53,13 +53,13 @@ def indexer_select(q, weights, index_cache, positions, token_seq_ids, block_tabl
     return in_tiles(select, tile, (q, weights, positions, token_seq_ids), (index_cache, block_tables))
 
 
-def sparse_mla_attention(q_latent, q_rope, latent_cache, slots, *, scale, cache_scale=None):
-    """``reference.sparse_mla_attention`` in query tiles."""
+def sparse_mla_attention(q_latent, q_rope, latent_cache, slots, *, scale, cache_scale=None, sinks=None):
+    """``reference.sparse_mla_attention`` in query tiles (``sinks``: per head, the same for every tile)."""
     num_tokens, heads, _ = q_latent.shape
     tile = query_tile(num_tokens, 4 * slots.shape[1] * (latent_cache.shape[-1] + heads))
 
     def attend(q_latent, q_rope, slots, latent_cache):
         return reference.sparse_mla_attention(q_latent, q_rope, latent_cache, slots, scale=scale,
-                                              cache_scale=cache_scale)
+                                              cache_scale=cache_scale, sinks=sinks)
 
     return in_tiles(attend, tile, (q_latent, q_rope, slots), (latent_cache,))

@@ -10,16 +10,22 @@ then reads cached pages for chunked prefill and decode; the expanded form (keys 
 from kv_b, fewer FLOPs per key at long prompts) is left to a GPU prefill kernel.
 The latent and q_a norms use eps 1e-6 whatever ``rms_norm_eps`` says, as HF does. With
 ``output_gate`` (Bailing-MoE-V3) each head's output is scaled by ``sigmoid(g_proj(x))``, one gate per
-head (computed in float32, rounded to the serving dtype), before o_proj.
+head (computed in float32, rounded to the serving dtype), before o_proj; with ``value_gate`` (HY-V4)
+by ``sigmoid(gate_proj(x))``, one gate per value dim of each head (in the serving dtype, as HF).
+With ``sinks`` (HY-V4) each head has a learned float32 logit that joins its softmax as an extra
+column and is dropped (GPT-OSS's attention sinks); the Pallas kernels refuse such calls, so the
+reference (dense) and the tiled path (sparse) serve them.
 
 With an ``Indexer`` (DeepSeek sparse attention: DeepSeek-V3.2, GLM-5) the layer also keeps one
 indexer key per token (a ``PagedSide`` cache) and each token attends only to the ``top_k`` cached
 tokens its indexer scores best (``jaxinfer.kernels.sparse_mla``): the indexer's queries come from
 the normed q latent through ``wq_b``, its key from the block's normed input through ``wk`` and a
-LayerNorm, both rotated over their first ``qk_rope_head_dim`` dims; its per-head weights from
-``weights_proj`` (kept in float32, as HF keeps it) times ``num_heads ** -0.5``. A layer that
-``shares_selection`` (GLM-5's "shared" layers) has no indexer and attends to the last indexer
-layer's selection, handed on through the forward's ``across_layers`` values.
+LayerNorm, both rotated over their first ``qk_rope_head_dim`` dims (HY-V4: the last, ``rope_last``);
+its per-head weights from ``weights_proj`` (kept in float32, as HF keeps it) times ``num_heads ** -0.5``
+(HY-V4, ``scale_in_weights``: times ``head_dim ** -0.5`` too, in place of scaling each head's q.k, as
+HF rounds it). A layer that ``shares_selection`` (GLM-5's and HY-V4's "shared" layers) has no indexer
+and attends to the last indexer layer's selection, handed on through the forward's ``across_layers``
+values.
 
 Tensor-parallel by head, the latent replicated (``docs/sharding-mla.md``): q_a / kv_a, their norms
 and the latent cache are whole on every device (each computes and writes the same latent rows);
@@ -67,6 +73,13 @@ def _rotate_interleaved_prefix(x, cos, sin):
     return jnp.concatenate([rotated, x[..., rotary_dim:]], axis=-1) if x.shape[-1] > rotary_dim else rotated
 
 
+def _rotate_suffix(x, cos, sin):
+    """rotate_half RoPE over the last ``cos.shape[-1]`` dims of ``x`` [T, heads, d]; the rest pass."""
+    rotary_dim = cos.shape[-1]
+    rotated = apply_rotary(x[..., -rotary_dim:], cos, sin)
+    return jnp.concatenate([x[..., :-rotary_dim], rotated], axis=-1) if x.shape[-1] > rotary_dim else rotated
+
+
 @dataclasses.dataclass(frozen=True)
 class Indexer:
     """DeepSeek sparse attention's lightning indexer: ``num_heads`` heads of ``head_dim``, ``top_k``
@@ -76,6 +89,14 @@ class Indexer:
     head_dim: int
     top_k: int
     rope_interleave: bool = False  # DeepSeek-V3.2: rotate_half over the first rope dims; GLM-5: interleaved pairs
+    rope_last: bool = False  # rotate_half over the last rope dims instead of the first (HY-V4)
+    key_norm_eps: float = INDEXER_KEY_NORM_EPS  # the key LayerNorm's eps (HY-V4: rms_norm_eps)
+    key_norm_float32: bool = False  # the key LayerNorm's weights kept in float32 (HY-V4)
+    scale_in_weights: bool = False  # head_dim ** -0.5 folded into the head weights, not each q.k (HY-V4)
+
+    def __post_init__(self):
+        if self.rope_last and self.rope_interleave:
+            raise ConfigError("the indexer rotates its last rope dims with rotate_half only, not interleaved pairs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +115,8 @@ class MLA:
     indexer: Indexer | None = None  # DeepSeek sparse attention
     shares_selection: bool = False  # sparse attention over the previous layer's selection, no indexer (GLM-5)
     output_gate: bool = False  # each head's output times sigmoid(g_proj(x)[head]) (Bailing-MoE-V3)
+    value_gate: bool = False  # each head's values times sigmoid(gate_proj(x)[head, :]) (HY-V4)
+    sinks: bool = False  # a learned float32 softmax logit per head (HY-V4)
     name: str = "self_attn"
 
     @property
@@ -103,12 +126,16 @@ class MLA:
 
     @property
     def captures(self) -> tuple[str, ...]:
-        """What the layer records for a research forward."""
-        return (capture.ATTENTIONS, capture.INDEXER) if self.indexer is not None else (capture.ATTENTIONS,)
+        """What the layer records for a research forward; not its attention probabilities with sinks,
+        which ``attention_probs.latent_attention_probs`` leaves out of its softmax."""
+        attentions = () if self.sinks else (capture.ATTENTIONS,)
+        return attentions + (capture.INDEXER,) if self.indexer is not None else attentions
 
     def validate(self, config) -> None:
-        """The indexer's constraints (its queries come from the q latent; it rotates the first
+        """The gates' and the indexer's constraints (its queries come from the q latent; it rotates
         ``qk_rope_head_dim`` of its dims); the sizes are checked as the family reads them."""
+        if self.output_gate and self.value_gate:
+            raise ConfigError("an MLA layer's output gate is per head (g_proj) or per value dim (gate_proj), not both")
         if self.indexer is not None and self.shares_selection:
             raise ConfigError("a sparse-attention layer either runs its indexer or shares the previous layer's "
                               "selection, not both")
@@ -118,7 +145,7 @@ class MLA:
             raise ConfigError("sparse attention's indexer reads the q latent: q_lora_rank must be set")
         if self.indexer.head_dim < self.qk_rope_head_dim:
             raise ConfigError(f"index_head_dim ({self.indexer.head_dim}) must be at least qk_rope_head_dim "
-                              f"({self.qk_rope_head_dim}): the indexer rotates its first qk_rope_head_dim dims")
+                              f"({self.qk_rope_head_dim}): the indexer rotates qk_rope_head_dim of its dims")
 
     def cache_specs(self, config) -> tuple[PagedLatent, ...]:
         latent = PagedLatent(self.kv_lora_rank, self.qk_rope_head_dim)
@@ -161,6 +188,11 @@ class MultiHeadLatentAttention(nn.Module):
             gate_weight, _ = LinearParams(self.num_heads, False, self.param_dtype, (HEADS, None), name="g_proj")(hidden)
             weights.append(gate_weight)
             biases.append(None)
+        if s.value_gate:  # one gate per value dim of each head, column-parallel like the heads
+            gate_weight, _ = LinearParams(self.num_heads * s.v_head_dim, False, self.param_dtype, (HEADS, None),
+                                          name="gate_proj")(hidden)
+            weights.append(gate_weight)
+            biases.append(None)
         if s.indexer is not None:  # the indexer projects the normed input too
             normed = x.normed()
             q, kv, *gate = linear_ops.project(normed, weights, biases)
@@ -189,6 +221,10 @@ class MultiHeadLatentAttention(nn.Module):
         w_uk, w_uv = kv_b[:, :s.qk_nope_head_dim], kv_b[:, s.qk_nope_head_dim:]
         q_latent = jnp.einsum("thn,hnr->thr", q_nope, w_uk)  # float32 sums, rounded once to the input dtype
         scale = s.softmax_scale or qk_head ** -0.5
+        attend = dict(latent_scaled)
+        if s.sinks:  # by head, like the heads
+            attend["sinks"] = local.param(self, "sinks", nn.initializers.zeros, (self.num_heads,), (HEADS,),
+                                          jnp.float32)
         if s.indexer is not None or s.shares_selection:
             if s.indexer is not None:
                 slots, new_cache["index_keys"] = LightningIndexer(s.indexer, self.param_dtype, name="indexer")(
@@ -198,14 +234,14 @@ class MultiHeadLatentAttention(nn.Module):
                 raise ConfigError("a layer that shares the sparse-attention selection needs an indexer layer before it")
             # Slots index every layer's cache alike: one page pool, one block table per sequence.
             out = sparse_ops.sparse_mla_attention(q_latent, q_rope, latent_cache, across_layers[SELECTION],
-                                                  scale=scale, **latent_scaled)
+                                                  scale=scale, **attend)
         elif md.decode:
             out = mla_ops.mla_paged_decode_attention(q_latent, q_rope, latent_cache, md.block_tables, md.seq_lens,
-                                                     scale=scale, **latent_scaled)
+                                                     scale=scale, **attend)
         else:
             out = mla_ops.mla_ragged_paged_attention(q_latent, q_rope, latent_cache, md.positions, md.token_seq_ids,
                                                      md.block_tables, md.seq_lens, scale=scale, valid=md.valid,
-                                                     **latent_scaled)
+                                                     **attend)
         if capture.wanted(self, capture.ATTENTIONS):
             selected = across_layers[SELECTION] if s.across_layers else None
             capture.record(self, capture.ATTENTIONS, "probs", latent_attention_probs(
@@ -214,6 +250,8 @@ class MultiHeadLatentAttention(nn.Module):
         values = jnp.einsum("thr,hvr->thv", out, w_uv)
         if s.output_gate:
             values = values * jax.nn.sigmoid(gate[0].astype(jnp.float32)).astype(values.dtype)[..., None]
+        if s.value_gate:
+            values = values * jax.nn.sigmoid(gate[0].reshape(t, heads, s.v_head_dim).astype(values.dtype))
         out = Linear(hidden, s.attention_bias, self.param_dtype, (None, HEADS), name="o_proj")(
             values.reshape(t, heads * s.v_head_dim))
         return out, new_cache
@@ -232,16 +270,21 @@ class LightningIndexer(nn.Module):
         s, t = self.spec, x.shape[0]
         q = Linear(s.num_heads * s.head_dim, False, self.param_dtype, name="wq_b")(q_resid)
         q = q.reshape(t, s.num_heads, s.head_dim)
-        k = LayerNorm(INDEXER_KEY_NORM_EPS, self.param_dtype, name="k_norm")(
+        norm_dtype = jnp.float32 if s.key_norm_float32 else self.param_dtype
+        k = LayerNorm(s.key_norm_eps, norm_dtype, name="k_norm")(
             Linear(s.head_dim, False, self.param_dtype, name="wk")(x))
         if rotary is not None:
-            rotate = _rotate_interleaved_prefix if s.rope_interleave else apply_rotary
+            rotate = (_rotate_interleaved_prefix if s.rope_interleave else _rotate_suffix if s.rope_last
+                      else apply_rotary)
             q, k = rotate(q, *rotary), rotate(k[:, None], *rotary)[:, 0]
         weights = Linear(s.num_heads, False, jnp.float32, name="weights_proj")(x.astype(jnp.float32))
+        weights, scale = weights * s.num_heads ** -0.5, s.head_dim ** -0.5
+        if s.scale_in_weights:
+            weights, scale = weights * scale, 1.0
         scaled = {} if cache_scale is None else {"cache_scale": cache_scale}
         cache = sparse_ops.write_index_keys(cache, k, md.slot_mapping, **scaled)
-        slots = sparse_ops.indexer_select(q, weights * s.num_heads ** -0.5, cache, md.positions, md.token_seq_ids,
-                                          md.block_tables, scale=s.head_dim ** -0.5, top_k=s.top_k, **scaled)
+        slots = sparse_ops.indexer_select(q, weights, cache, md.positions, md.token_seq_ids, md.block_tables,
+                                          scale=scale, top_k=s.top_k, **scaled)
         if capture.wanted(self, capture.INDEXER):
             capture.record(self, capture.INDEXER, "selected_slots", slots)
         return slots, cache
