@@ -22,12 +22,11 @@ import dataclasses
 import re
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.errors import ConfigError
 from jaxinfer.models.decoder import DecoderForCausalLM, DecoderSpec, DenseMLP, LayerSpec, mlp_layer_types
 from jaxinfer.models.deepseek_v3 import mla_spec, mtp_checkpoint_keys
-from jaxinfer.models.kimi_linear import kimi_moe
+from jaxinfer.models.kimi_linear import check_latent_heads, check_sparse_layer_experts, kimi_moe
 from jaxinfer.models.layers.kda import KDA
-from jaxinfer.models.moe_checkpoints import check_expert_count, per_expert_sources
+from jaxinfer.models.moe_checkpoints import per_expert_sources
 from jaxinfer.models.qwen3_next import hybrid_layer_types
 from jaxinfer.weights import Tensor
 
@@ -69,10 +68,7 @@ class BailingHybridForCausalLM(DecoderForCausalLM):
     @classmethod
     def validate_config(cls, config: ModelConfig) -> None:
         super().validate_config(config)
-        if config.num_key_value_heads != config.num_attention_heads:
-            raise ConfigError(f"num_key_value_heads ({config.num_key_value_heads}) must equal num_attention_heads "
-                              f"({config.num_attention_heads}): bailing_hybrid's MLA expands every head's key and "
-                              "value from the latent")
+        check_latent_heads(config)
 
     @classmethod
     def skipped_checkpoint_keys_for(cls, config: ModelConfig) -> tuple[tuple[str, str], ...]:
@@ -81,9 +77,7 @@ class BailingHybridForCausalLM(DecoderForCausalLM):
     @classmethod
     def check_checkpoint_layout(cls, config: ModelConfig, checkpoint) -> None:
         super().check_checkpoint_layout(config, checkpoint)
-        if "sparse" in mlp_layer_types(config):
-            skipped = tuple(pattern for pattern, _ in cls.skipped_checkpoint_keys_for(config))
-            check_expert_count(checkpoint, "num_experts", config.int_field("num_experts", ge=1), skipped)
+        check_sparse_layer_experts(cls, config, checkpoint)
 
     @classmethod
     def checkpoint_sources(cls, config: ModelConfig, expected: dict, available: set[str]) -> dict:

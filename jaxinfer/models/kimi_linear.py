@@ -49,6 +49,23 @@ def kimi_moe(config: ModelConfig) -> MoESpec:
                    shared_expert_name="shared_experts", router_float32=True)
 
 
+def check_latent_heads(config: ModelConfig) -> None:
+    """``ConfigError`` unless every head has its own KV head: these families' MLA expands every head's
+    key and value from the latent."""
+    if config.num_key_value_heads != config.num_attention_heads:
+        raise ConfigError(f"num_key_value_heads ({config.num_key_value_heads}) must equal num_attention_heads "
+                          f"({config.num_attention_heads}): {config.model_type}'s MLA expands every head's key and "
+                          "value from the latent")
+
+
+def check_sparse_layer_experts(cls, config: ModelConfig, checkpoint) -> None:
+    """Where the model has MoE layers, the checkpoint's per-expert tensors are experts 0..num_experts-1
+    (the tensors the family skips aside)."""
+    if "sparse" in mlp_layer_types(config):
+        skipped = tuple(pattern for pattern, _ in cls.skipped_checkpoint_keys_for(config))
+        check_expert_count(checkpoint, "num_experts", config.int_field("num_experts", ge=1), skipped)
+
+
 class KimiLinearForCausalLM(DecoderForCausalLM):
     supports_expert_parallel = True
 
@@ -65,17 +82,12 @@ class KimiLinearForCausalLM(DecoderForCausalLM):
     @classmethod
     def validate_config(cls, config: ModelConfig) -> None:
         super().validate_config(config)
-        if config.num_key_value_heads != config.num_attention_heads:
-            raise ConfigError(f"num_key_value_heads ({config.num_key_value_heads}) must equal num_attention_heads "
-                              f"({config.num_attention_heads}): kimi_linear's MLA expands every head's key and value "
-                              "from the latent")
+        check_latent_heads(config)
 
     @classmethod
     def check_checkpoint_layout(cls, config: ModelConfig, checkpoint) -> None:
         super().check_checkpoint_layout(config, checkpoint)
-        if "sparse" in mlp_layer_types(config):
-            skipped = tuple(pattern for pattern, _ in cls.skipped_checkpoint_keys_for(config))
-            check_expert_count(checkpoint, "num_experts", config.int_field("num_experts", ge=1), skipped)
+        check_sparse_layer_experts(cls, config, checkpoint)
 
     @classmethod
     def checkpoint_sources(cls, config: ModelConfig, expected: dict, available: set[str]) -> dict:
